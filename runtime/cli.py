@@ -1,0 +1,113 @@
+"""The command line of the job commands, shared by `spillpack` and the bundle's zipapp.
+
+The laptop side (`spillpack/cli.py`) adds `pack` and `models` through `extra`; the
+zipapp runs this module alone. Errors are caught in one place: one line, exit code
+from the error, traceback only with --debug.
+"""
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+
+from . import __version__
+from .config import Invocation, resolve, write_config
+from .errors import EXIT_ERROR, SpillpackError, UsageError
+from .events import Events, headless_wanted
+from .options import JOB_COMMANDS, options_for
+
+# command -> (module, help). Imported only when the command runs: --help stays fast.
+OTHER_COMMANDS = {
+    "doctor": ("runtime.doctor", "this machine: Python, engines, memory, disk"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints a usage block and exits 2; we want one line
+        raise UsageError(message, f"{self.prog} --help")
+
+
+def _add_option(p: argparse.ArgumentParser, opt) -> None:
+    if opt.positional:
+        p.add_argument(opt.name, nargs="?", default=argparse.SUPPRESS, help=opt.help, metavar=opt.name.upper())
+    elif opt.flag:
+        p.add_argument(opt.flag_name, dest=opt.name, action="store_true", default=argparse.SUPPRESS, help=opt.help)
+    else:
+        default = "" if opt.default is None else f" (default: {opt.default})"
+        p.add_argument(opt.flag_name, dest=opt.name, type=opt.type, choices=opt.choices, default=argparse.SUPPRESS,
+                       metavar=opt.metavar, help=opt.help + ("" if "default" in opt.help else default))
+
+
+def build_parser(extra: dict | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(prog="spillpack", description="Pack an LLM job into one directory that runs anywhere and survives preemption.")
+    parser.add_argument("--version", action="version", version=f"spillpack {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (help_, _) in JOB_COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        for opt in options_for(name):
+            _add_option(p, opt)
+    for name, (module, help_) in {**OTHER_COMMANDS, **(extra or {})}.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        importlib.import_module(module).add_arguments(p)
+        p.add_argument("--debug", action="store_true", help="show tracebacks")
+        p.add_argument("--headless", action="store_true", help="JSON on stdout")
+    return parser
+
+
+def main(argv: list[str] | None = None, extra: dict | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    headless = headless_wanted("--headless" in argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    events = Events(command or "spillpack", headless)
+    try:
+        parser = build_parser(extra)
+        if not argv:
+            parser.print_help(sys.stderr)
+            return 2
+        ns = vars(parser.parse_args(argv))
+        command = ns.pop("command")
+        events.command = command
+        if command in JOB_COMMANDS:
+            return _run_job(command, ns, events)
+        module = {**OTHER_COMMANDS, **(extra or {})}[command][0]
+        return importlib.import_module(module).main(ns, events)
+    except SpillpackError as e:
+        return _fail(e, events, debug)
+    except KeyboardInterrupt:
+        return _fail(SpillpackError("interrupted", f"spillpack {command or ''} ... again"), events, debug)
+    except Exception as e:  # the one place an unexpected error becomes one line
+        err = SpillpackError(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "),
+                             f"spillpack {' '.join(argv)} --debug, and report the traceback")
+        return _fail(err, events, debug)
+
+
+def _run_job(command: str, ns: dict, events: Events) -> int:
+    config_path = ns.pop("config", None)
+    emit_path = ns.pop("emit_config", None)
+    debug = ns.pop("debug", False)
+    ns.pop("headless", None)
+    arguments, options = resolve(command, ns, config_path)
+    inv = Invocation(command, arguments, options, headless=events.headless, debug=debug, config_path=config_path)
+    job = importlib.import_module(f"runtime.jobs.{command}")
+    if hasattr(job, "finish_invocation"):
+        job.finish_invocation(inv)  # fills derived defaults (e.g. the job name) so the config is fully resolved
+    if emit_path:
+        write_config(inv, emit_path)
+        events.say(f"wrote {emit_path}; run it with: spillpack {command} --config {emit_path}")
+        return 0
+    return job.main(inv, events)
+
+
+def _fail(err: SpillpackError, events: Events, debug: bool) -> int:
+    if debug:
+        traceback.print_exc(file=sys.stderr)
+    if events.headless:
+        events.emit("error", message=err.line())
+    events.say(err.line())
+    return err.exit_code
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""`spillpack doctor`: a truthful report of this machine for running jobs."""
+
+import os
+import platform
+import sys
+
+import orjson
+
+from . import __version__
+from .hardware import ENGINE_NAMES, choose_engine, disk_free_gb, memory_gb, probe
+from .paths import spillpack_home
+
+
+def add_arguments(p):
+    p.add_argument("--engine", default="auto", help="check the choice as a job with this --engine would make it")
+
+
+def report(engine: str = "auto") -> dict:
+    total, available = memory_gb()
+    probes = [probe(n) for n in ENGINE_NAMES]
+    try:
+        chosen, why = choose_engine(engine)
+    except Exception as e:
+        chosen, why = None, str(e)
+    return {
+        "spillpack": __version__,
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "machine": f"{platform.system()} {platform.machine()}",
+        "cpus": os.cpu_count(),
+        "memory_gb": round(total, 1),
+        "memory_available_gb": round(available, 1),
+        "home": str(spillpack_home()),
+        "disk_free_gb": round(disk_free_gb(), 1),
+        "engines": {p.name: {"usable": p.usable, "detail": p.detail} for p in probes},
+        "engine": chosen,
+        "engine_reason": why,
+    }
+
+
+def main(ns: dict, events) -> int:
+    r = report(ns.get("engine", "auto"))
+    if events.headless:
+        events.out.write(orjson.dumps(r).decode() + "\n")
+        return 0
+    lines = [
+        f"spillpack {r['spillpack']} on {r['machine']}, Python {r['python']} ({r['executable']})",
+        f"cpus {r['cpus']}, memory {r['memory_available_gb']} GB free of {r['memory_gb']} GB, "
+        f"disk {r['disk_free_gb']} GB free at {r['home']}",
+        "engines:",
+    ]
+    for name, e in r["engines"].items():
+        mark = "*" if name == r["engine"] else ("+" if e["usable"] else "-")
+        lines.append(f"  {mark} {name:<11} {'usable' if e['usable'] else 'not usable'}: {e['detail']}")
+    lines.append(f"a job here would use {r['engine']}: {r['engine_reason']}" if r["engine"] else f"no engine: {r['engine_reason']}")
+    print("\n".join(lines))
+    return 0

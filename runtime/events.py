@@ -1,0 +1,135 @@
+"""The event stream of ARCHITECTURE.md, and what a person sees instead of it.
+
+Headless, stdout carries one JSON object a line and nothing else. On a terminal the
+same events become a start line, a live progress line and a summary on stderr.
+SPILLPACK_STATUS=FILE keeps a small JSON status file current for any watcher.
+"""
+
+import os
+import sys
+import time
+
+import orjson
+
+COMMON_KEYS = ("event", "time", "command", "step", "loss", "tokens_per_s", "peak_mem_gb", "eta_s", "engine")
+
+
+def headless_wanted(flag: bool, stream=None) -> bool:
+    forced = os.environ.get("SPILLPACK_HEADLESS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    stream = stream or sys.stdout
+    return flag or not stream.isatty()
+
+
+class Events:
+    def __init__(self, command: str, headless: bool, out=None, err=None, status_path: str | None = None):
+        self.command = command
+        self.headless = headless
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.engine: str | None = None
+        self.status_path = status_path if status_path is not None else os.environ.get("SPILLPACK_STATUS")
+        self._status: dict = {"command": command, "phase": "starting"}
+        self._live = False  # a progress line is on the terminal and must be ended before other text
+
+    def emit(self, event: str, **fields) -> dict:
+        record = {k: None for k in COMMON_KEYS}
+        record.update(event=event, time=round(time.time(), 3), command=self.command, engine=self.engine)
+        record.update(fields)
+        if self.headless:
+            self.out.write(orjson.dumps(record).decode() + "\n")
+            self.out.flush()
+        else:
+            self._human(record)
+        self._update_status(record)
+        return record
+
+    def say(self, text: str) -> None:
+        """Human text: stderr always, so headless stdout stays pure JSON lines."""
+        self._end_live()
+        self.err.write(text + "\n")
+        self.err.flush()
+
+    # -- human rendering --------------------------------------------------
+
+    def _end_live(self):
+        if self._live:
+            self.err.write("\n")
+            self._live = False
+
+    def _progress(self, text: str):
+        if self.err.isatty():
+            self.err.write("\r\033[K" + text)
+            self._live = True
+        else:
+            self.err.write(text + "\n")
+        self.err.flush()
+
+    def _human(self, r: dict):
+        ev = r["event"]
+        if ev == "start":
+            self.say(r.get("message") or f"{self.command}: starting")
+        elif ev == "restore":
+            self.say(f"restored {r['step']} {'rows' if self.command != 'tune' else 'steps'} from {r['uri']}")
+        elif ev == "step":
+            parts = [f"step {r['step']}/{r.get('steps')}"]
+            if r["loss"] is not None:
+                parts.append(f"loss {r['loss']:.4f}")
+            if r["tokens_per_s"] is not None:
+                parts.append(f"{r['tokens_per_s']:.0f} tok/s")
+            if r["eta_s"] is not None:
+                parts.append(f"eta {_duration(r['eta_s'])}")
+            self._progress("  ".join(parts))
+        elif ev == "row":
+            self._progress(f"row {r['step']}/{r.get('total')}" + (f"  eta {_duration(r['eta_s'])}" if r["eta_s"] is not None else ""))
+        elif ev == "checkpoint":
+            if not self._live or not self.err.isatty():
+                self.say(f"checkpoint at {r['step']} committed to {r['uri']} in {r['seconds']:.2f}s")
+        elif ev == "preempted":
+            self.say(f"preempted by {r['signal']}: checkpoint committed at {r['step']}; run the same command again to continue")
+        elif ev == "done":
+            self._end_live()
+        elif ev == "error":
+            self._end_live()
+        else:
+            self.say(f"{ev}: {r}")
+
+    # -- status file ----------------------------------------------------------
+
+    def _update_status(self, r: dict):
+        if not self.status_path:
+            return
+        s = self._status
+        ev = r["event"]
+        s["phase"] = {"start": "running", "restore": "running", "step": "running", "row": "running",
+                      "checkpoint": "running", "preempted": "preempted", "done": "done", "error": "error"}.get(ev, s["phase"])
+        s["engine"] = r["engine"]
+        s["updated"] = r["time"]
+        for key in ("step", "eta_s", "loss"):
+            if r.get(key) is not None:
+                s[key] = r[key]
+        if r.get("total") is not None:
+            s["total"] = r["total"]
+        if r.get("steps") is not None and ev in ("step", "start"):
+            s["total"] = r["steps"]
+        if ev == "checkpoint":
+            s["last_checkpoint"] = {"uri": r.get("uri"), "step": r.get("step"), "time": r["time"]}
+        if ev == "error":
+            s["message"] = r.get("message")
+        tmp = f"{self.status_path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(orjson.dumps(s))
+            os.replace(tmp, self.status_path)
+        except OSError:
+            pass  # a watcher's convenience must never fail the job
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"

@@ -1,0 +1,99 @@
+"""What this machine is, and which engine a job should use on it.
+
+Apple silicon uses MLX, a visible CUDA device uses torch-cuda, anything else
+torch-cpu; --engine or SPILLPACK_ENGINE overrides. Probing never imports a
+framework that is not installed and never fails: it reports why an engine is not usable.
+"""
+
+import importlib.util
+import os
+import platform
+import shutil
+from dataclasses import dataclass
+
+from .errors import SpillpackError
+from .paths import spillpack_home
+
+ENGINE_NAMES = ("mlx", "torch-cuda", "torch-cpu")
+
+
+@dataclass
+class EngineProbe:
+    name: str
+    usable: bool
+    detail: str  # version and device when usable, the reason when not
+
+
+def is_apple_silicon() -> bool:
+    return platform.system() == "Darwin" and platform.machine() == "arm64"
+
+
+def probe(name: str) -> EngineProbe:
+    if name == "torch-cpu":
+        if importlib.util.find_spec("torch") is None:
+            return EngineProbe(name, False, "torch is not installed (pip install torch)")
+        import torch
+
+        return EngineProbe(name, True, f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if name == "torch-cuda":
+        if importlib.util.find_spec("torch") is None:
+            return EngineProbe(name, False, "torch is not installed")
+        import torch
+
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+            return EngineProbe(name, False, why)
+        return EngineProbe(name, True, f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+    if name == "mlx":
+        if importlib.util.find_spec("mlx") is None:
+            return EngineProbe(name, False, "mlx is not installed (pip install mlx, or mlx[cpu] on Linux)")
+        try:
+            import mlx.core as mx
+
+            device = mx.default_device()
+        except Exception as e:  # a broken mlx install must not break doctor
+            return EngineProbe(name, False, f"mlx does not load: {e}")
+        return EngineProbe(name, True, f"mlx {getattr(mx, '__version__', '?')}, {device}")
+    raise ValueError(name)
+
+
+def choose_engine(requested: str | None = "auto") -> tuple[str, str]:
+    """The engine to use here and why."""
+    requested = requested or "auto"
+    env = os.environ.get("SPILLPACK_ENGINE")
+    if requested == "auto" and env:
+        requested, source = env, "SPILLPACK_ENGINE"
+    else:
+        source = "--engine"
+    if requested != "auto":
+        if requested not in ENGINE_NAMES:
+            raise SpillpackError(f"unknown engine {requested!r} from {source}", "--engine mlx|torch-cuda|torch-cpu")
+        p = probe(requested)
+        if not p.usable:
+            raise SpillpackError(f"engine {requested} is not usable here: {p.detail}", "spillpack doctor")
+        return requested, f"asked for by {source}"
+    if is_apple_silicon() and probe("mlx").usable:
+        return "mlx", "Apple silicon with mlx installed"
+    cuda = probe("torch-cuda")
+    if cuda.usable:
+        return "torch-cuda", f"a CUDA device is visible ({cuda.detail.split(', ', 1)[-1]})"
+    cpu = probe("torch-cpu")
+    if cpu.usable:
+        return "torch-cpu", "no Apple silicon or CUDA device" if not is_apple_silicon() else "mlx is not installed"
+    if probe("mlx").usable:
+        return "mlx", "torch is not installed; mlx is"
+    raise SpillpackError("no engine is usable here: neither torch nor mlx is installed", "pip install torch==2.13.0")
+
+
+def memory_gb() -> tuple[float, float]:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return vm.total / 2**30, vm.available / 2**30
+
+
+def disk_free_gb(path=None) -> float:
+    path = path or spillpack_home()
+    while not os.path.exists(path):
+        path = os.path.dirname(path) or "."
+    return shutil.disk_usage(path).free / 2**30

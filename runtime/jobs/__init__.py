@@ -1,0 +1,1 @@
+"""One module per job command; they share the job core in runtime.jobcore."""

@@ -1,0 +1,156 @@
+"""What a model reference (`tiny`, a tag, a directory, a URI) names, and checks that it is usable."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.errors import SpillpackError
+from runtime.paths import spillpack_home
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class Tag:
+    arch: str
+    files: tuple[str, ...]  # besides config.json and the tokenizer files
+    hf_repo: str  # where the weights come from, for the hint in error messages
+
+
+TAGS = {
+    "qwen2.5:0.5b": Tag("qwen2", ("model.safetensors",), "Qwen/Qwen2.5-0.5B-Instruct"),
+    "qwen2.5:1.5b": Tag("qwen2", ("model.safetensors",), "Qwen/Qwen2.5-1.5B-Instruct"),
+    "llama3.2:1b": Tag("llama", ("model.safetensors",), "meta-llama/Llama-3.2-1B-Instruct"),
+    "llama3.2:3b": Tag("llama", ("model.safetensors.index.json",), "meta-llama/Llama-3.2-3B-Instruct"),
+    "llama3.1:8b": Tag("llama", ("model.safetensors.index.json",), "meta-llama/Llama-3.1-8B-Instruct"),
+}
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    path: Path
+    config: dict = field(hash=False, compare=False)
+    arch: str
+
+    def fingerprint(self) -> str:
+        """sha256 over config.json and each safetensors file's name, size and header.
+
+        Reads a few KB per file, never the tensors, so it is cheap enough to call on every
+        start; a state written for other weights is then told apart from this one.
+        """
+        h = hashlib.sha256()
+        h.update((self.path / "config.json").read_bytes())
+        for f in sorted(self.path.glob("*.safetensors")):
+            h.update(f"\0{f.name}\0{f.stat().st_size}\0".encode())
+            h.update(read_safetensors_header(f))
+        return h.hexdigest()
+
+
+def read_safetensors_header(f: Path) -> bytes:
+    """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > 100_000_000 or n > f.stat().st_size - 8:
+                raise ValueError("header length is larger than the file")
+            header = fh.read(n)
+        json.loads(header)
+    except (OSError, struct.error, ValueError) as e:
+        raise SpillpackError(f"{f} is not a readable safetensors file ({e})", f"re-download the weights into {f.parent}")
+    return header
+
+
+def local_path(uri: str) -> Path | None:
+    """A local path for a URI, or None for a scheme this machine cannot read directly.
+
+    The one place that knows about URI schemes; remote ones (s3://) are fetched elsewhere.
+    """
+    if uri.startswith("file://"):
+        return Path(uri[len("file://") :]).expanduser()
+    if "://" in uri:
+        return None
+    return Path(uri).expanduser()
+
+
+def resolve_model(ref: str, weights: str | None = None) -> ModelDir:
+    if ref == "tiny":
+        from runtime.tiny import ensure_tiny
+
+        return validate(ensure_tiny())
+    if ref in TAGS:
+        return validate(find_tag(ref, weights), TAGS[ref])
+    path = local_path(ref)
+    if path is not None and path.is_dir():
+        return validate(path)
+    if ":" in ref and "/" not in ref and "://" not in ref:
+        known = ", ".join(["tiny", *TAGS])
+        raise SpillpackError(f"unknown model tag {ref!r} (known: {known})", "--model tiny, or --model /path/to/hf-model-dir")
+    raise SpillpackError(
+        f"model {ref!r} is neither a known tag nor a local model directory",
+        "--model tiny, --model qwen2.5:0.5b --weights /path/to/weights, or --model /path/to/hf-model-dir",
+    )
+
+
+def find_tag(tag: str, weights: str | None) -> Path:
+    looked = []
+    if weights is not None:
+        path = local_path(weights)
+        if path is None:
+            raise SpillpackError(
+                f"--weights {weights}: only local paths and file:// URIs can be read here",
+                f"--weights /path/to/{tag_dirname(tag)}",
+            )
+        if path.is_dir():
+            return path
+        looked.append(f"--weights {weights}")
+    home = spillpack_home() / "models" / tag_dirname(tag)
+    if home.is_dir():
+        return home
+    looked.append(str(home))
+    raise SpillpackError(
+        f"no weights for {tag} (looked in {' and '.join(looked)}); download {TAGS[tag].hf_repo} first",
+        f"--model {tag} --weights /path/to/{tag_dirname(tag)}",
+    )
+
+
+def tag_dirname(tag: str) -> str:
+    # ':' is not allowed in Windows paths and awkward in shells.
+    return tag.replace(":", "-")
+
+
+def validate(path: Path, tag: Tag | None = None) -> ModelDir:
+    """Check a directory is a loadable HF model; each failure names the file at fault."""
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise SpillpackError(f"no config.json in {path}", f"point --model or --weights at a Hugging Face model directory")
+    try:
+        config = json.loads(config_file.read_text())
+        assert isinstance(config, dict), "not a JSON object"
+    except (ValueError, AssertionError, UnicodeDecodeError) as e:
+        raise SpillpackError(f"{config_file} is not valid JSON ({e})", f"re-download the model into {path}")
+    for name in TOKENIZER_FILES:
+        if not (path / name).exists():
+            raise SpillpackError(f"no {name} in {path}", f"copy the tokenizer files of the model into {path}")
+    arch = config.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise SpillpackError(
+            f"{config_file}: model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})",
+            "a qwen2 or llama checkpoint, such as --model qwen2.5:0.5b or --model tiny",
+        )
+    if tag is not None and arch != tag.arch:
+        raise SpillpackError(
+            f"{config_file} has model_type {arch!r}, but the tag expects {tag.arch!r}",
+            f"--weights pointing at a download of {tag.hf_repo}",
+        )
+    from runtime.models import weight_files  # torch is imported only when a model is really used
+
+    for f in weight_files(path):
+        if not f.exists():
+            raise SpillpackError(f"{f.name} is named in model.safetensors.index.json but missing from {path}", f"re-download the weights into {path}")
+        read_safetensors_header(f)
+    return ModelDir(path=path.resolve(), config=config, arch=arch)

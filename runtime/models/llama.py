@@ -1,0 +1,296 @@
+"""Llama-3 decoder in plain torch, one readable file.
+
+Attribute names are the Hugging Face checkpoint keys (`model.layers.N.self_attn.q_proj`, ...),
+so a checkpoint loads without a rename table and LoRA can wrap each `nn.Linear` by the name
+PEFT would use. Classes go from the smallest piece to the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.errors import SpillpackError
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        assert self.num_attention_heads % self.num_key_value_heads == 0, "GQA needs heads % kv_heads == 0"
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ModelArgs":
+        config = dict(config)
+        # transformers >= 5 writes rope_theta and the scaling into one `rope_parameters` dict;
+        # checkpoints on the Hub still carry the older `rope_theta` + `rope_scaling` pair.
+        rope = config.get("rope_parameters") or {}
+        if "rope_theta" not in config and "rope_theta" in rope:
+            config["rope_theta"] = rope["rope_theta"]
+        if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+            config["rope_scaling"] = rope
+        known = {f.name for f in fields(cls)}
+        args = {k: v for k, v in config.items() if k in known and v is not None}
+        return cls(**args)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # Normalise in float32 and cast back before the weight, as the reference does,
+        # so bfloat16 runs round the same way.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with the Llama-3.1 long-context scaling when configured."""
+    dim = args.head_dim
+    # device="cpu" on purpose: models are built on the meta device and this must stay real.
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = args.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        raise SpillpackError(
+            f"rope scaling type {kind!r} in config.json is not supported (supported: default, linear, llama3)",
+            "a model without that rope_scaling, such as qwen2.5:0.5b or llama3.2:1b",
+        )
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        # A plain attribute, not a buffer: it is not in checkpoints, and model.to(bfloat16)
+        # must not round the frequencies.
+        self.inv_freq = rope_inv_freq(args)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * inv_freq  # (B, T, head_dim/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, head_dim)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    # x: (B, heads, T, head_dim); cos/sin: (B, T, head_dim) -> broadcast over heads
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class KVCache:
+    """Preallocated keys and values for every layer, with one length per row.
+
+    Rows may hold sequences of different lengths (continuous batching); new tokens of row b
+    are written at positions lengths[b]..lengths[b]+T-1. Keys past a row's length are garbage
+    and are masked out by the model, so a slot can be reused without clearing it.
+    """
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
+        shape = (args.num_hidden_layers, batch, args.num_key_value_heads, max_len, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_len = max_len
+
+    def row(self, b: int) -> "KVCache":
+        """A one-row view sharing storage: a prefill through it lands in slot b of this cache."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
+        view.lengths = self.lengths[b : b + 1]
+        view.max_len = self.max_len
+        return view
+
+    def write(self, layer: int, k, v, slots: torch.Tensor, span: int):
+        """Store k, v (B, kv_heads, T, head_dim) at `slots` (B, T); return keys/values up to `span`."""
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+        # Advanced indices split by a slice put their dims first: the target is (B, T, kv_heads, head_dim).
+        self.k[layer][rows, :, slots] = k.transpose(1, 2)
+        self.v[layer][rows, :, slots] = v.transpose(1, 2)
+        return self.k[layer, :, :, :span], self.v[layer, :, :, :span]  # (B, kv_heads, S, head_dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        d, hd = args.hidden_size, args.head_dim
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=args.attention_bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=args.attention_bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, span=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, heads, T, head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, kv_heads, T, head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(layer, k, v, slots, span)  # (B, kv_heads, S, head_dim)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, heads*head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        d, h = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(d, h, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(d, h, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(h, d, bias=args.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, span=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots, span)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def build_mask(T: int, S: int, offsets, attn_mask, device):
+    """Boolean (B, 1, T, S) mask, True where a query may attend a key.
+
+    Query t of row b sits at key index offsets[b] + t (offsets: tokens already cached) and sees
+    keys up to itself. `attn_mask` (B, S), 1 for real tokens and 0 for padding, hides pad keys.
+    Every query keeps its own key even if it is padding, so no row is fully masked (softmax
+    over nothing is NaN, and a NaN in a pad row would poison gradients); pad rows' outputs are
+    never used.
+    """
+    q_idx = offsets[:, None] + torch.arange(T, device=device)[None, :]  # (B, T)
+    k_idx = torch.arange(S, device=device)  # (S,)
+    allowed = k_idx[None, None, :] <= q_idx[:, :, None]  # (B, T, S)
+    if attn_mask is not None:
+        allowed = allowed & attn_mask.bool()[:, None, :]
+        allowed = allowed | (k_idx[None, None, :] == q_idx[:, :, None])
+    return allowed[:, None]  # (B, 1, T, S)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, block=TransformerBlock):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(block(args) for _ in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(args)
+
+    def forward(self, input_ids, positions=None, cache: KVCache | None = None, attn_mask=None):
+        B, T = input_ids.shape
+        device = input_ids.device
+        offsets = cache.lengths if cache is not None else torch.zeros(B, dtype=torch.long, device=device)
+        if positions is None:
+            positions = offsets[:, None] + torch.arange(T, device=device)[None, :]  # (B, T)
+        slots = span = None
+        if cache is not None:
+            slots = offsets[:, None] + torch.arange(T, device=device)[None, :]  # (B, T) cache index per token
+            span = int(slots.max()) + 1
+            assert span <= cache.max_len, f"KV cache overflow: need {span} positions, have {cache.max_len}"
+        S = span if cache is not None else T
+        if attn_mask is not None:
+            assert attn_mask.shape == (B, S), f"attn_mask must be (B, {S}) over cached + new tokens, got {tuple(attn_mask.shape)}"
+        # Plain causal prefill needs no mask (SDPA's is_causal is faster); anything else does.
+        mask = None
+        if cache is not None or attn_mask is not None:
+            mask = build_mask(T, S, offsets, attn_mask, device)
+        x = self.embed_tokens(input_ids)  # (B, T, D)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i, slots, span)
+        if cache is not None:
+            cache.lengths += T
+        return self.norm(x)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        # Tied checkpoints have no head weight: logits() reuses the embedding.
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def hidden_states(self, input_ids, positions=None, cache=None, attn_mask=None):
+        """(B, T) token ids -> (B, T, D) final-normed hidden states."""
+        assert input_ids.dim() == 2, f"input_ids must be (B, T), got {tuple(input_ids.shape)}"
+        return self.model(input_ids, positions, cache, attn_mask)
+
+    def logits(self, hidden):
+        """(..., D) -> (..., V); kept apart so training can project only the positions with loss."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids, positions=None, cache=None, attn_mask=None):
+        return self.logits(self.hidden_states(input_ids, positions, cache, attn_mask))
+
+    def make_cache(self, batch: int, max_len: int) -> KVCache:
+        p = self.model.embed_tokens.weight
+        return KVCache(self.args, batch, max_len, dtype=p.dtype, device=p.device)
+
+    def sanitize(self, weights: dict) -> dict:
+        """Drop what checkpoints carry but the model does not own: rotary buffers, a tied head."""
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        return weights

@@ -1,0 +1,90 @@
+"""Preemption: SIGTERM or SIGINT means "commit a checkpoint and exit 75 within 30 s".
+
+A job asks `stop_requested` between steps. The step in flight is finished when it fits
+in the budget (its expected length, from the job's own timings) and abandoned when it
+does not: the handler (or an alarm set for the latest moment) raises `Abandon` inside
+the step, which the job catches and then commits the last finished state. Only code
+inside `abandonable()` can be interrupted, so an optimizer update or a state write is
+never torn. A second signal abandons at once.
+"""
+
+import signal
+import time
+from contextlib import contextmanager
+
+PROMISE_S = 30.0  # ARCHITECTURE.md: checkpoint committed and exit within 30 seconds
+COMMIT_RESERVE_S = 10.0  # time kept for committing the checkpoint after the step
+
+
+class Abandon(BaseException):
+    """Raised inside an abandonable step when it cannot finish in time. BaseException so
+    that no `except Exception` in model or library code can swallow it."""
+
+
+class Preemption:
+    def __init__(self, promise_s: float = PROMISE_S, reserve_s: float = COMMIT_RESERVE_S):
+        self.promise_s = promise_s
+        self.reserve_s = reserve_s
+        self.signal_name: str | None = None
+        self.t_signal: float | None = None
+        self.count = 0
+        self.expected_step_s = 0.0  # updated by the job from its own step timings
+        self._in_step = False
+        self._step_started = 0.0
+        self._previous = {}
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.count > 0
+
+    def install(self) -> "Preemption":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGALRM, self._on_alarm)
+        return self
+
+    def uninstall(self) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def request(self, name: str) -> None:
+        """A stop asked for without a signal (a cloud's preemption notice): same as SIGTERM."""
+        self._on_signal(signal.SIGTERM, None, name=name)
+
+    def seconds_left(self) -> float:
+        return self.promise_s if self.t_signal is None else self.promise_s - (time.monotonic() - self.t_signal)
+
+    def _on_signal(self, signum, frame, name: str | None = None):
+        self.count += 1
+        if self.count == 1:
+            self.signal_name = name or signal.Signals(signum).name
+            self.t_signal = time.monotonic()
+        if not self._in_step:
+            return
+        if self.count > 1:
+            raise Abandon()
+        step_left = max(0.0, self.expected_step_s - (time.monotonic() - self._step_started))
+        room = self.seconds_left() - self.reserve_s
+        if step_left > room:
+            raise Abandon()
+        # It should fit; make sure it does.
+        signal.setitimer(signal.ITIMER_REAL, max(room, 0.01))
+
+    def _on_alarm(self, signum, frame):
+        if self._in_step and self.stop_requested:
+            raise Abandon()
+
+    @contextmanager
+    def abandonable(self):
+        """Marks a step that may be thrown away (forward/backward, one generation step)."""
+        self._step_started = time.monotonic()
+        if self.stop_requested and self.count > 1:
+            raise Abandon()
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+            signal.setitimer(signal.ITIMER_REAL, 0)

@@ -1,0 +1,194 @@
+"""A job's state under its --state URI: identity, commits, checkpoints, row segments, history.
+
+Layout:
+    job.json                          what job this state belongs to (refused if another job opens it)
+    commits/<seq>.json                commit records, written last, created exclusively
+    checkpoints/<seq>-<writer>/...    a checkpoint's files (tensors, cursor)
+    segments/<seq>-<writer>.jsonl     a segment of finished rows
+    history/<time>-<host>-<pid>-<n>.json   the job's life: opens, interruptions, checkpoints, resumes
+
+A checkpoint or segment exists only once its commit record does. Files written by a
+process that died before committing are never referenced and are ignored. Commit records
+are created with `Store.create`, so when two processes run the same job at once exactly
+one wins each sequence number and the other stops with one line instead of interleaving.
+"""
+
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+import orjson
+
+from .errors import SpillpackError
+from .store import Store, sha256_bytes
+
+KEEP_CHECKPOINTS = 2
+
+
+@dataclass
+class Commit:
+    seq: int
+    kind: str  # "checkpoint" | "segment" | "stage"
+    step: int  # steps done (checkpoint) or rows in the segment
+    files: dict  # name -> {"key", "size", "sha256"}
+    meta: dict
+    record: dict
+
+
+class StateConflict(SpillpackError):
+    pass
+
+
+class JobState:
+    def __init__(self, store: Store, identity: dict, engine: str | None = None):
+        self.store = store
+        self.identity = identity
+        self.engine = engine
+        self.writer = uuid.uuid4().hex[:8]
+        self.host = socket.gethostname()
+        self._history_n = 0
+        self._next_seq = 0
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    # -- opening ------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Claim the state for this job, or refuse if it holds another job. Writes nothing else."""
+        if hasattr(self.store, "check_writable"):
+            self.store.check_writable()
+        body = orjson.dumps(self.identity, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
+        existing = self.store.read("job.json")
+        if existing is None and not self.store.create("job.json", body):
+            existing = self.store.read("job.json")
+        if existing is not None:
+            self._check_identity(orjson.loads(existing))
+        self._next_seq = max((c.seq for c in self._commits()), default=0) + 1
+        self.log("open", engine=self.engine, pid=os.getpid())
+
+    def _check_identity(self, theirs: dict) -> None:
+        for key in sorted(set(theirs) | set(self.identity)):
+            a, b = theirs.get(key), self.identity.get(key)
+            if a != b:
+                raise SpillpackError(
+                    f"state {self.uri} holds a different job: {key} is {_short(a)} there and {_short(b)} here",
+                    f"the same options as that job, or another --state (or delete {self.uri} to start over)",
+                )
+
+    # -- commits ---------------------------------------------------------------------
+
+    def _commits(self) -> list[Commit]:
+        out = []
+        for key in self.store.list("commits/"):
+            raw = self.store.read(key)
+            try:
+                r = orjson.loads(raw) if raw else None
+                out.append(Commit(r["seq"], r["kind"], r["step"], r["files"], r.get("meta", {}), r))
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                continue  # a torn or foreign record is not a commit
+        return sorted(out, key=lambda c: c.seq)
+
+    def _complete(self, c: Commit) -> bool:
+        return all(self.store.size(f["key"]) == f["size"] for f in c.files.values())
+
+    def _commit(self, kind: str, step: int, files: dict[str, bytes], prefix: str, meta: dict) -> Commit:
+        seq = self._next_seq
+        described = {}
+        for name, data in files.items():
+            key = f"{prefix}{seq:08d}-{self.writer}/{name}" if kind != "segment" else f"{prefix}{seq:08d}-{self.writer}.jsonl"
+            self.store.write(key, data)
+            described[name] = {"key": key, "size": len(data), "sha256": sha256_bytes(data)}
+        record = {"seq": seq, "kind": kind, "step": step, "files": described, "meta": meta,
+                  "time": round(time.time(), 3), "host": self.host, "pid": os.getpid(), "engine": self.engine, "writer": self.writer}
+        if not self.store.create(f"commits/{seq:08d}.json", orjson.dumps(record)):
+            raise StateConflict(
+                f"another process committed to {self.uri} at the same time (commit {seq}); this one stops so the two do not mix",
+                "make sure one copy of the job runs, then run it again to continue from the newest commit",
+            )
+        self._next_seq = seq + 1
+        return Commit(seq, kind, step, described, meta, record)
+
+    def read_file(self, commit: Commit, name: str) -> bytes:
+        f = commit.files[name]
+        data = self.store.read(f["key"])
+        if data is None or len(data) != f["size"] or sha256_bytes(data) != f["sha256"]:
+            raise SpillpackError(f"state file {self.store.child_uri(f['key'])} is damaged (its bytes do not match commit {commit.seq})",
+                                 f"delete {self.store.child_uri('commits/%08d.json' % commit.seq)} to fall back to the previous commit")
+        return data
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def latest_checkpoint(self) -> Commit | None:
+        for c in reversed(self._commits()):
+            if c.kind == "checkpoint" and self._complete(c):
+                return c
+        return None
+
+    def commit_checkpoint(self, step: int, files: dict[str, bytes], meta: dict | None = None) -> tuple[Commit, float]:
+        t0 = time.perf_counter()
+        commit = self._commit("checkpoint", step, files, "checkpoints/", meta or {})
+        seconds = time.perf_counter() - t0
+        self.log("checkpoint", step=step, seq=commit.seq, uri=self.store.child_uri(f"commits/{commit.seq:08d}.json"), seconds=round(seconds, 3))
+        self._prune()
+        return commit, seconds
+
+    def _prune(self) -> None:
+        checkpoints = [c for c in self._commits() if c.kind == "checkpoint"]
+        for old in checkpoints[:-KEEP_CHECKPOINTS]:
+            # The record goes first: a record never points at files that are already gone.
+            self.store.delete(f"commits/{old.seq:08d}.json")
+            for f in old.files.values():
+                self.store.delete(f["key"])
+
+    # -- row segments -------------------------------------------------------------------
+
+    def segments(self) -> list[Commit]:
+        return [c for c in self._commits() if c.kind == "segment" and self._complete(c)]
+
+    def commit_segment(self, rows_jsonl: bytes, count: int, meta: dict | None = None) -> tuple[Commit, float]:
+        t0 = time.perf_counter()
+        commit = self._commit("segment", count, {"rows": rows_jsonl}, "segments/", meta or {})
+        seconds = time.perf_counter() - t0
+        self.log("checkpoint", rows=count, seq=commit.seq, uri=self.store.child_uri(commit.files["rows"]["key"]), seconds=round(seconds, 3))
+        return commit, seconds
+
+    # -- small named records (a build's finished stages, final outputs) ---------------------
+
+    def commit_marker(self, kind: str, meta: dict) -> Commit:
+        return self._commit(kind, 0, {}, "markers/", meta)
+
+    def markers(self, kind: str) -> list[Commit]:
+        return [c for c in self._commits() if c.kind == kind]
+
+    # -- history ---------------------------------------------------------------------------
+
+    def log(self, what: str, **fields) -> None:
+        self._history_n += 1
+        now = time.time()
+        record = {"what": what, "time": round(now, 3), "host": self.host, "pid": os.getpid(), "engine": self.engine,
+                  "writer": self.writer, **fields}
+        key = f"history/{int(now * 1e6):017d}-{self.writer}-{self._history_n:05d}.json"
+        try:
+            self.store.write(key, orjson.dumps(record))
+        except Exception:
+            if what not in ("interrupted",):
+                raise
+
+    def history(self) -> list[dict]:
+        out = []
+        for key in self.store.list("history/"):
+            raw = self.store.read(key)
+            try:
+                out.append(orjson.loads(raw))
+            except (orjson.JSONDecodeError, TypeError):
+                continue
+        return sorted(out, key=lambda r: r["time"])
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

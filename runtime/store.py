@@ -1,0 +1,192 @@
+"""Where job state lives: one small interface over a local directory (and later S3).
+
+Every write is whole-or-nothing: an object either has all its bytes or does not
+exist. `create` succeeds for exactly one writer when several race for the same key;
+the commit protocol in state.py is built on that one primitive.
+"""
+
+import hashlib
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from urllib.parse import urlparse
+
+from .errors import SpillpackError
+
+
+class Store:
+    """The interface. Keys are '/'-separated paths relative to the store's root."""
+
+    uri: str
+
+    def read(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    def write(self, key: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def create(self, key: str, data: bytes) -> bool:
+        """Write only if the key does not exist yet; False when another writer got there first."""
+        raise NotImplementedError
+
+    def list(self, prefix: str) -> list[str]:
+        raise NotImplementedError
+
+    def size(self, key: str) -> int | None:
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    def put_file(self, key: str, path: Path) -> None:
+        self.write(key, Path(path).read_bytes())
+
+    def get_file(self, key: str, path: Path) -> bool:
+        data = self.read(key)
+        if data is None:
+            return False
+        _atomic_write(Path(path), data)
+        return True
+
+    def child_uri(self, key: str) -> str:
+        return self.uri.rstrip("/") + "/" + key
+
+    def local_dir(self) -> Path | None:
+        """The directory behind this store when it is on this machine's filesystem."""
+        return None
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class LocalStore(Store):
+    def __init__(self, root: Path, uri: str | None = None):
+        self.root = Path(root)
+        self.uri = uri or str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def local_dir(self) -> Path:
+        return self.root
+
+    def check_writable(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".probe-{socket.gethostname()}-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise SpillpackError(f"state {self.uri} is not writable: {e.strerror}", "--state with a directory you can write, or an s3:// URI")
+
+    def read(self, key):
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def write(self, key, data):
+        _atomic_write(self._path(key), data)
+
+    def create(self, key, data):
+        # Write a private temp file, then hard-link it into place: link() fails if the
+        # name exists, so exactly one racing writer wins and the winner's file is complete.
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            _unlink(tmp)
+
+    def list(self, prefix):
+        base = self._path(prefix)
+        if not base.is_dir():
+            return []
+        out = []
+        for dirpath, _, files in os.walk(base):
+            for f in files:
+                if f.startswith(".") and f.endswith(".tmp"):
+                    continue  # someone's write in flight, or a torn one: not an object
+                out.append(str(Path(dirpath, f).relative_to(self.root)).replace(os.sep, "/"))
+        return sorted(out)
+
+    def size(self, key):
+        try:
+            return self._path(key).stat().st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def delete(self, key):
+        p = self._path(key)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            _unlink(p)
+
+    def put_file(self, key, path):
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            shutil.copyfile(path, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            _unlink(tmp)
+            raise
+
+    def get_file(self, key, path):
+        src = self._path(key)
+        if not src.is_file():
+            return False
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, path)
+        return True
+
+
+def open_store(uri: str) -> Store:
+    """A path, file:// URI or s3:// URI, the same everywhere a URI is taken."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        from .s3 import S3Store
+
+        return S3Store(uri)
+    if parsed.scheme == "file":
+        return LocalStore(Path(parsed.path), uri)
+    if parsed.scheme and len(parsed.scheme) > 1:
+        raise SpillpackError(f"unsupported URI scheme {parsed.scheme}:// in {uri}", "a local path, file:///path or s3://bucket/prefix")
+    return LocalStore(Path(uri).expanduser().absolute(), uri)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,13 @@
+"""`spillpack`: the runtime's job commands plus what only a laptop needs (pack, models)."""
+
+import sys
+
+from runtime.cli import main as runtime_main
+
+LAPTOP_COMMANDS = {
+
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(runtime_main(argv, extra=LAPTOP_COMMANDS))
