@@ -1,0 +1,232 @@
+"""The built-in `tiny` model: a few-MB Qwen2 directory made deterministically on first use.
+
+Demos and tests run on it without a download. Every file comes out byte-identical on every
+machine: the tokenizer is trained on a corpus shipped with the package, the weights are drawn
+from a fixed seed, and every JSON file is written with sorted keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from runtime.paths import spillpack_home
+
+# Bump when anything below changes the bytes, so an old cached tiny is rebuilt, not reused.
+TINY_VERSION = 1
+SEED = 20240611
+CORPUS = Path(__file__).with_name("tiny_corpus.txt")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 1000  # learned tokens; the three special tokens come after them
+
+# Qwen2.5-Instruct's template, with a shorter default system prompt and the tool-call branches.
+CHAT_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+ARCHITECTURE = dict(
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+
+
+def tiny_dir() -> Path:
+    return spillpack_home() / "models" / "tiny"
+
+
+def ensure_tiny() -> Path:
+    """The tiny model's directory, built first if it is missing or from an older TINY_VERSION."""
+    target = tiny_dir()
+    if is_current(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with locked(target.parent / ".tiny.lock"):
+        if is_current(target):  # another process built it while we waited for the lock
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=target.parent))
+        try:
+            build(tmp)
+            # mkdtemp makes a private directory; the model is an ordinary shared cache entry.
+            os.chmod(tmp, 0o755)
+            for f in tmp.iterdir():
+                os.chmod(f, 0o644)
+            if target.exists():  # an older version: move it aside, then swap the new one in
+                old = Path(tempfile.mkdtemp(prefix=".tiny-old-", dir=target.parent))
+                os.replace(target, old / "tiny")
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def is_current(path: Path) -> bool:
+    marker = path / "spillpack_tiny.json"
+    try:
+        return json.loads(marker.read_text()).get("version") == TINY_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+@contextmanager
+def locked(lock_path: Path):
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the check-again after the build still keeps us correct
+        yield
+        return
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def build(out: Path) -> None:
+    """Write every file of the tiny model into the existing directory `out`."""
+    tokenizer = train_tokenizer()
+    tokenizer.save(str(out / "tokenizer.json"))
+    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "use_sliding_window": False,
+        **ARCHITECTURE,
+    }
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", {
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"],
+    })
+    write_json(out / "tokenizer_config.json", {
+        "added_tokens_decoder": {
+            str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+            for t, i in ids.items()
+        },
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": ARCHITECTURE["max_position_embeddings"],
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    })
+    write_weights(out / "model.safetensors", config)
+    write_json(out / "spillpack_tiny.json", {"version": TINY_VERSION, "seed": SEED})
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def train_tokenizer():
+    """A byte-level BPE like Qwen2's, trained on the shipped corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    text = CORPUS.read_text(encoding="utf-8")
+    tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    return tokenizer
+
+
+def write_weights(path: Path, config: dict) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from runtime.models import qwen2
+
+    args = qwen2.ModelArgs.from_dict(config)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in qwen2.Model(args).state_dict().items()}
+    gen = torch.Generator(device="cpu").manual_seed(SEED)
+    tensors = {}
+    # Sorted names: the draw order, and so the bytes, never depend on module definition order.
+    for name in sorted(shapes):
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shapes[name])
+        else:
+            tensors[name] = torch.empty(shapes[name]).normal_(0.0, 0.02, generator=gen)
+    save_file(tensors, str(path), metadata={"format": "pt"})
