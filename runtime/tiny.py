@@ -201,7 +201,7 @@ def train_tokenizer():
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        min_frequency=2,
+        min_frequency=1,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],

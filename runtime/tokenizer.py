@@ -1,0 +1,199 @@
+"""A model's tokenizer and chat template, read from its HF directory without transformers.
+
+The chat template is rendered the way transformers' `apply_chat_template(tokenize=False)`
+does (same sandboxed Jinja environment, filters and globals), so prompts and training
+sequences match what the model was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+
+from runtime.errors import SpillpackError
+
+# End-of-turn tokens of the chat formats we know; one found in the template also stops generation.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise SpillpackError(f"{path} is not valid JSON ({e})", f"re-download the model into {path.parent}")
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config writes special tokens as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def compile_template(source: str):
+    """The Jinja environment of transformers' chat templates: sandboxed, trim/lstrip blocks."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters; transformers' (and so the models') does not.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    def __init__(self, tokenizer, tokenizer_config: dict, config: dict, generation_config: dict, chat_template: str | None, path: Path):
+        self._tok = tokenizer
+        self.path = path
+        self.tokenizer_config = tokenizer_config
+        self.chat_template = chat_template
+        self.special_tokens = {
+            name: text
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (text := _token_text(tokenizer_config.get(name))) is not None
+        }
+        eos = set(_ids(generation_config.get("eos_token_id"))) | set(_ids(config.get("eos_token_id")))
+        for text in [self.special_tokens.get("eos_token")] + [t for t in END_OF_TURN if chat_template and t in chat_template]:
+            if text is not None and (i := tokenizer.token_to_id(text)) is not None:
+                eos.add(i)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        pad = self.special_tokens.get("pad_token")
+        pad_id = tokenizer.token_to_id(pad) if pad else None
+        for fallback in (config.get("pad_token_id"), generation_config.get("pad_token_id")):
+            if pad_id is None and isinstance(fallback, int):
+                pad_id = fallback
+        # No pad token at all (Llama 3 base): pad with an eos; pads are masked out anyway.
+        self.pad_token_id: int | None = pad_id if pad_id is not None else (min(eos) if eos else None)
+
+    @classmethod
+    def from_dir(cls, path) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.exists():
+            raise SpillpackError(f"no tokenizer.json in {path}", f"copy the tokenizer files of the model into {path}")
+        try:
+            tok = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise SpillpackError(f"{tokenizer_file} cannot be read ({e})", f"re-download the model into {path}")
+        tokenizer_config = _read_json(path / "tokenizer_config.json")
+        template = tokenizer_config.get("chat_template")
+        if isinstance(template, list):  # named templates: transformers uses "default"
+            template = {t.get("name"): t.get("template") for t in template}.get("default")
+        # transformers >= 4.43 saves the template to its own file, and prefers that file.
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(tok, tokenizer_config, _read_json(path / "config.json"), _read_json(path / "generation_config.json"), template, path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, adding no BOS/EOS (chat templates write those themselves)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _template(self):
+        if not self.chat_template:
+            raise SpillpackError(
+                f"the tokenizer in {self.path} has no chat template",
+                "an instruct/chat model, or plain-text prompts instead of messages",
+            )
+        return compile_template(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        import jinja2
+
+        try:
+            return self._template.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise SpillpackError(f"the chat template of {self.path} refused the conversation: {e}", "check the roles and order of the messages")
+
+    def encode_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation followed by the assistant header, ready to generate from."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True))
+
+    def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """Token ids of a whole conversation and a loss mask over them.
+
+        The mask is 1 on each assistant turn's content and its end-of-turn token, 0 on
+        everything the template adds around it (system prompt, headers, user turns).
+        The rendering is cut after each message; what each cut adds is tokenized on its
+        own, so every token is known to come from one message.
+        """
+        pieces: list[tuple[str, bool]] = []  # (text, is assistant body) in rendering order
+        done = ""
+        for i, message in enumerate(messages):
+            if message.get("role") == "assistant":
+                header = self.apply_chat_template(messages[:i], add_generation_prompt=True) if i else ""
+                pieces.append((self._increment(done, header, i), False))
+                done = header
+            full = self.apply_chat_template(messages[: i + 1])
+            pieces.append((self._increment(done, full, i), message.get("role") == "assistant"))
+            done = full
+        ids, mask = [], []
+        for text, trained in pieces:
+            piece_ids = self.encode(text)
+            ids += piece_ids
+            mask += self._body_mask(piece_ids) if trained else [0] * len(piece_ids)
+        if ids != self.encode(done):
+            return self._mask_by_offsets(done, pieces)
+        return ids, mask
+
+    def _increment(self, done: str, rendered: str, i: int) -> str:
+        if not rendered.startswith(done):
+            raise SpillpackError(
+                f"the chat template of {self.path} is not prefix-stable: rendering the conversation up to message {i} "
+                "changes the text of the earlier messages, so the assistant tokens cannot be masked reliably",
+                "a model whose chat template renders earlier turns the same whatever follows (Qwen2.5, Llama 3)",
+            )
+        return rendered[len(done) :]
+
+    def _body_mask(self, ids: list[int]) -> list[int]:
+        # Up to and including the last end-of-turn token: the model must learn to stop.
+        # What follows it (Qwen's "\n") is template glue and is not trained.
+        last = max((j for j, t in enumerate(ids) if t in self.eos_token_ids), default=len(ids) - 1)
+        return [1 if j <= last else 0 for j in range(len(ids))]
+
+    def _mask_by_offsets(self, text: str, pieces) -> tuple[list[int], list[int]]:
+        # Tokens merged across a cut: tokenize the whole text and mask by character spans.
+        enc = self._tok.encode(text, add_special_tokens=False)
+        spans, pos = [], 0
+        for piece, trained in pieces:
+            if trained:
+                spans.append((pos, pos + len(piece)))
+            pos += len(piece)
+        mask = [1 if any(a <= start < b for a, b in spans) else 0 for start, _ in enc.offsets]
+        return enc.ids, mask
