@@ -1,0 +1,137 @@
+"""Our pure-torch models against transformers' on the same random checkpoints."""
+
+import pytest
+import torch
+
+from runtime.modelref import resolve_model
+from runtime.models import load_model
+from tests.hf_fixtures import make_llama, make_qwen2
+
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def spillpack_home(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPILLPACK_HOME", str(tmp_path_factory.mktemp("home")))
+        yield
+
+
+def ids_batch(vocab, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab - 10, (n,), generator=g).tolist() for n in lengths]
+
+
+def max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+CASES = {
+    "qwen2": lambda d: make_qwen2(d),
+    "qwen2-tied": lambda d: make_qwen2(d, tied=True),
+    "qwen2-sharded": lambda d: make_qwen2(d, max_shard_size="100KB"),
+    "llama": lambda d: make_llama(d),
+    "llama-tied-sharded": lambda d: make_llama(d, tied=True, max_shard_size="100KB"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(case, tmp_path):
+    path, hf = CASES[case](tmp_path / case)
+    if "sharded" in case:
+        assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) > 1
+    if "tied" in case:
+        from safetensors import safe_open
+
+        keys = set().union(*(safe_open(f, "pt").keys() for f in path.glob("*.safetensors")))
+        assert "lm_head.weight" not in keys
+    ours = load_model(resolve_model(str(path)))
+    assert (ours.lm_head is None) == ("tied" in case)
+    ids = torch.tensor(ids_batch(hf.config.vocab_size, [17, 17], seed=1))
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        got = ours(ids)
+    assert got.shape == expected.shape
+    assert max_diff(got, expected) < TOL
+    # hidden_states + logits is the same computation as forward, split for training
+    with torch.no_grad():
+        assert torch.equal(ours.logits(ours.hidden_states(ids)), got)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_padded_batch_matches_transformers(arch, side, tmp_path):
+    path, hf = (make_qwen2 if arch == "qwen2" else make_llama)(tmp_path / arch)
+    ours = load_model(resolve_model(str(path)))
+    seqs = ids_batch(hf.config.vocab_size, [12, 5, 9], seed=2)
+    T = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        sl = slice(T - len(s), T) if side == "left" else slice(0, len(s))
+        ids[b, sl], mask[b, sl] = torch.tensor(s), 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        got = ours(ids, positions=positions, attn_mask=mask)
+        for b, s in enumerate(seqs):
+            # The oracle: each sequence alone, unpadded.
+            alone = hf(input_ids=torch.tensor([s])).logits[0]
+            real = got[b][mask[b].bool()]
+            assert not torch.isnan(got[b]).any()
+            assert max_diff(real, alone) < TOL, f"row {b}"
+
+
+def test_kv_cache_decode_matches_full_forward(tmp_path):
+    path, hf = make_qwen2(tmp_path / "q")
+    ours = load_model(resolve_model(str(path)))
+    seq = torch.tensor(ids_batch(hf.config.vocab_size, [10], seed=3))
+    with torch.no_grad():
+        full = ours(seq)
+        cache = ours.make_cache(1, 16)
+        step = [ours(seq[:, :6], cache=cache)]
+        for t in range(6, 10):
+            step.append(ours(seq[:, t : t + 1], cache=cache))
+    assert cache.lengths.tolist() == [10]
+    assert max_diff(torch.cat(step, dim=1), full) < 1e-5
+
+
+def test_bfloat16_load(tmp_path):
+    path, hf = make_qwen2(tmp_path / "q")
+    ours = load_model(resolve_model(str(path)), dtype=torch.bfloat16)
+    assert ours.model.embed_tokens.weight.dtype == torch.bfloat16
+    ids = torch.tensor(ids_batch(hf.config.vocab_size, [8]))
+    with torch.no_grad():
+        got = ours(ids).float()
+        expected = hf(input_ids=ids).logits
+    assert got.dtype == torch.float32 and max_diff(got, expected) < 0.1
+
+
+def test_llama3_rope_scaling_is_applied(tmp_path):
+    from runtime.models.llama import ModelArgs, rope_inv_freq
+
+    path, hf = make_llama(tmp_path / "l")
+    args = ModelArgs.from_dict(resolve_model(str(path)).config)
+    assert args.rope_scaling["rope_type"] == "llama3" and args.rope_theta == 500000.0
+    assert torch.allclose(rope_inv_freq(args), hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    plain = ModelArgs.from_dict({**resolve_model(str(path)).config, "rope_parameters": {"rope_theta": 500000.0}})
+    assert not torch.allclose(rope_inv_freq(plain), rope_inv_freq(args))
+
+
+def test_model_args_fill_derived_defaults():
+    from runtime.models import qwen2
+
+    args = qwen2.ModelArgs.from_dict({
+        "model_type": "qwen2", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 8, "rope_theta": 1e6, "unknown_key": 1,
+    })
+    assert (args.head_dim, args.num_key_value_heads, args.attention_bias, args.rope_theta) == (8, 8, True, 1e6)
+    assert args.tie_word_embeddings is False
+
+
+def test_tiny_loads_and_runs():
+    md = resolve_model("tiny")
+    model = load_model(md)
+    assert md.arch == "qwen2" and model.lm_head is None
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]]))
+    assert logits.shape == (1, 3, md.config["vocab_size"]) and torch.isfinite(logits).all()
