@@ -1,0 +1,156 @@
+"""Batched generation with a KV cache and continuous batching.
+
+A fixed number of slots share one preallocated cache; each step advances every active slot
+by one token, and a finished slot takes the next pending request at once. Sampling draws from
+a per-request generator seeded from (seed, key), so a row's tokens do not depend on which
+rows shared its batch: a resumed job reproduces the rows it redoes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.errors import SpillpackError
+
+
+@dataclass
+class Request:
+    key: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    key: str
+    tokens: list[int]  # the completion, including the stop token when there is one
+    text: str  # the completion decoded without special tokens
+    finish_reason: str  # "stop" (an eos token) or "length" (max_tokens)
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class _Row:
+    request: Request
+    rng: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+
+
+def request_generator(seed: int, key: str) -> torch.Generator:
+    # A CPU generator on every engine: the same probabilities give the same draw on CUDA and CPU.
+    digest = hashlib.sha256(f"{seed}\0{key}".encode()).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
+    """One token from (V,) logits: argmax at temperature 0, else temperature + nucleus sampling."""
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=rng))
+
+
+class Generator:
+    def __init__(self, model, tokenizer, slots: int, max_len: int):
+        assert slots >= 1 and max_len >= 2
+        self.model, self.tokenizer = model, tokenizer
+        self.slots, self.max_len = slots, max_len
+        self.cache = model.make_cache(slots, max_len)
+        self.device = self.cache.k.device
+        self.rows: list[_Row | None] = [None] * slots
+        self.pending: deque[Request] = deque()
+        self.eos = tokenizer.eos_token_ids
+
+    def add(self, request: Request) -> None:
+        if len(request.prompt_ids) == 0:
+            raise SpillpackError(f"request {request.key!r} has an empty prompt", "give every row a non-empty prompt")
+        if len(request.prompt_ids) + request.max_tokens > self.max_len:
+            raise SpillpackError(
+                f"request {request.key!r}: {len(request.prompt_ids)} prompt tokens + max_tokens {request.max_tokens} "
+                f"exceed the context of {self.max_len}",
+                "a smaller --max-tokens or a shorter prompt",
+            )
+        self.pending.append(request)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.pending) or any(r is not None for r in self.rows)
+
+    def step(self) -> list[Result]:
+        """Advance every active slot by one token; return the requests that finished."""
+        with torch.inference_mode():
+            finished: list[Result] = []
+            # Slots that are running now decode one token each...
+            running = [i for i, r in enumerate(self.rows) if r is not None]
+            if running:
+                self._decode(running, finished)
+            # ...and empty slots start pending requests, whose prefill yields their first token.
+            for i in range(self.slots):
+                while self.rows[i] is None and self.pending:
+                    self._prefill(i, self.pending.popleft(), finished)
+            return finished
+
+    def _prefill(self, slot: int, req: Request, finished: list[Result]) -> None:
+        self.cache.lengths[slot] = 0  # the slot's old keys are masked out, no need to clear them
+        ids = torch.tensor([req.prompt_ids], device=self.device)
+        logits = self.model.logits(self.model.hidden_states(ids, cache=self.cache.row(slot))[:, -1])  # (1, V)
+        row = _Row(req, request_generator(req.seed, req.key) if req.temperature > 0 else None)
+        self.rows[slot] = row
+        self._push(slot, logits[0], finished)
+
+    def _decode(self, running: list[int], finished: list[Result]) -> None:
+        # All slots go through the model (idle ones on a dummy token at position 0) so the cache
+        # keeps its batch shape; idle slots are reset to empty afterwards.
+        last = [self.rows[i].tokens[-1] if self.rows[i] is not None else 0 for i in range(self.slots)]
+        ids = torch.tensor(last, device=self.device)[:, None]  # (slots, 1)
+        logits = self.model(ids, cache=self.cache)[:, -1]  # (slots, V)
+        idle = torch.tensor([r is None for r in self.rows], device=self.device)
+        self.cache.lengths[idle] = 0
+        for i in running:
+            self._push(i, logits[i], finished)
+
+    def _push(self, slot: int, logits: torch.Tensor, finished: list[Result]) -> None:
+        row = self.rows[slot]
+        req = row.request
+        token = sample(logits, req.temperature, req.top_p, row.rng)
+        row.tokens.append(token)
+        reason = "stop" if token in self.eos else "length" if len(row.tokens) >= req.max_tokens else None
+        if reason is None:
+            return
+        text_ids = row.tokens[:-1] if reason == "stop" else row.tokens
+        finished.append(Result(
+            key=req.key, tokens=row.tokens, text=self.tokenizer.decode(text_ids), finish_reason=reason,
+            prompt_tokens=len(req.prompt_ids), completion_tokens=len(row.tokens),
+        ))
+        self.rows[slot] = None
+        self.cache.lengths[slot] = 0
+
+
+def generate(model, tokenizer, prompts, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0, batch: int = 8) -> list[Result]:
+    """Complete each prompt (text, encoded as is, or a list of token ids); results in input order."""
+    encoded = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    if not encoded:
+        return []
+    gen = Generator(model, tokenizer, slots=min(batch, len(encoded)), max_len=max(map(len, encoded)) + max_tokens)
+    for i, ids in enumerate(encoded):
+        gen.add(Request(str(i), ids, max_tokens, temperature, top_p, seed))
+    results: dict[str, Result] = {}
+    while gen.active:
+        for r in gen.step():
+            results[r.key] = r
+    return [results[str(i)] for i in range(len(encoded))]
