@@ -127,7 +127,7 @@ def validate(path: Path, tag: Tag | None = None) -> ModelDir:
     """Check a directory is a loadable HF model; each failure names the file at fault."""
     config_file = path / "config.json"
     if not config_file.exists():
-        raise SpillpackError(f"no config.json in {path}", f"point --model or --weights at a Hugging Face model directory")
+        raise SpillpackError(f"no config.json in {path}", "point --model or --weights at a Hugging Face model directory")
     try:
         config = json.loads(config_file.read_text())
         assert isinstance(config, dict), "not a JSON object"

@@ -135,3 +135,115 @@ def test_tiny_loads_and_runs():
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3]]))
     assert logits.shape == (1, 3, md.config["vocab_size"]) and torch.isfinite(logits).all()
+
+
+# --- bad input: each failure is one SpillpackError line naming what is wrong ---
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+from runtime.errors import SpillpackError  # noqa: E402
+
+
+def copy_tiny(dst):
+    shutil.copytree(resolve_model("tiny").path, dst)
+    return dst
+
+
+def error_line(excinfo):
+    line = excinfo.value.line()
+    assert "\n" not in line and line.startswith("spillpack: ") and ". Try: " in line
+    return line
+
+
+def test_missing_config_json(tmp_path):
+    d = copy_tiny(tmp_path / "m")
+    (d / "config.json").unlink()
+    with pytest.raises(SpillpackError) as e:
+        resolve_model(str(d))
+    assert error_line(e) == f"spillpack: no config.json in {d}. Try: point --model or --weights at a Hugging Face model directory"
+
+
+def test_corrupt_safetensors(tmp_path):
+    d = copy_tiny(tmp_path / "m")
+    (d / "model.safetensors").write_bytes(b"\xff" * 8 + b"not a header")
+    with pytest.raises(SpillpackError) as e:
+        resolve_model(f"file://{d}")
+    line = error_line(e)
+    assert line.startswith(f"spillpack: {d / 'model.safetensors'} is not a readable safetensors file")
+
+
+def test_truncated_safetensors_fails_at_load(tmp_path):
+    d = copy_tiny(tmp_path / "m")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])  # header intact, tensors cut
+    with pytest.raises(SpillpackError) as e:
+        load_model(resolve_model(str(d)))
+    assert f"cannot read {d / 'model.safetensors'}" in error_line(e)
+
+
+def test_weights_not_matching_config(tmp_path):
+    d = copy_tiny(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 5}))
+    with pytest.raises(SpillpackError) as e:
+        load_model(resolve_model(str(d)))
+    assert "missing" in error_line(e) and "model.layers.4." in e.value.what and "model.safetensors" in e.value.what
+
+
+def test_unknown_tag(tmp_path):
+    with pytest.raises(SpillpackError) as e:
+        resolve_model("mistral:7b")
+    assert error_line(e).startswith("spillpack: unknown model tag 'mistral:7b' (known: tiny, qwen2.5:0.5b,")
+
+
+def test_tag_without_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPILLPACK_HOME", str(tmp_path))
+    with pytest.raises(SpillpackError) as e:
+        resolve_model("qwen2.5:0.5b")
+    assert error_line(e) == (
+        f"spillpack: no weights for qwen2.5:0.5b (looked in {tmp_path / 'models' / 'qwen2.5-0.5b'}); "
+        "download Qwen/Qwen2.5-0.5B-Instruct first. Try: --model qwen2.5:0.5b --weights /path/to/qwen2.5-0.5b"
+    )
+    with pytest.raises(SpillpackError) as e:
+        resolve_model("qwen2.5:0.5b", weights=str(tmp_path / "nope"))
+    assert f"looked in --weights {tmp_path / 'nope'} and " in error_line(e)
+
+
+def test_tag_with_weights(tmp_path):
+    path, _ = make_qwen2(tmp_path / "w")
+    md = resolve_model("qwen2.5:0.5b", weights=f"file://{path}")
+    assert md.path == path.resolve() and md.arch == "qwen2"
+    with pytest.raises(SpillpackError, match="the tag expects 'llama'"):
+        resolve_model("llama3.2:1b", weights=str(path))
+
+
+def test_unsupported_model_type(tmp_path):
+    d = copy_tiny(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral"}))
+    with pytest.raises(SpillpackError) as e:
+        resolve_model(str(d))
+    assert error_line(e).startswith(f"spillpack: {d / 'config.json'}: model_type 'mistral' is not supported (supported: llama, qwen2)")
+
+
+def test_missing_tokenizer_and_bad_json(tmp_path):
+    d = copy_tiny(tmp_path / "m")
+    (d / "tokenizer_config.json").unlink()
+    with pytest.raises(SpillpackError, match="no tokenizer_config.json in"):
+        resolve_model(str(d))
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(SpillpackError, match="config.json is not valid JSON"):
+        resolve_model(str(d))
+
+
+def test_fingerprint_is_cheap_and_sensitive(tmp_path):
+    a = copy_tiny(tmp_path / "a")
+    b = copy_tiny(tmp_path / "b")
+    assert resolve_model(str(a)).fingerprint() == resolve_model(str(b)).fingerprint()
+    cfg = json.loads((b / "config.json").read_text())
+    (b / "config.json").write_text(json.dumps({**cfg, "rope_theta": 5.0}))
+    assert resolve_model(str(a)).fingerprint() != resolve_model(str(b)).fingerprint()
+    c = copy_tiny(tmp_path / "c")
+    (c / "model.safetensors").write_bytes((c / "model.safetensors").read_bytes() + b" ")  # size changes
+    assert resolve_model(str(a)).fingerprint() != resolve_model(str(c)).fingerprint()
