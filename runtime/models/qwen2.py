@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.errors import SpillpackError
 from runtime.models import llama
 from runtime.models.llama import KVCache  # noqa: F401  (part of this module's API, as in llama)
 
@@ -25,8 +26,6 @@ class ModelArgs(llama.ModelArgs):
         # Qwen2.5 ships sliding-window settings but switches them off (use_sliding_window: false);
         # nothing here implements a window, so refuse a checkpoint that turns it on.
         if config.get("use_sliding_window"):
-            from runtime.errors import SpillpackError
-
             raise SpillpackError(
                 "config.json sets use_sliding_window: true, which spillpack's qwen2 does not implement",
                 "a Qwen2/Qwen2.5 checkpoint with use_sliding_window: false (all released ones)",
