@@ -1,0 +1,147 @@
+"""LoRA adapters, engine-neutral: the spec, the initial tensors, and the files on disk.
+
+Canonical tensor names follow PEFT without its wrapper prefix:
+`model.layers.0.self_attn.q_proj.lora_A.weight` (r, in) and `...lora_B.weight` (out, r),
+float32. The update is B @ A scaled by alpha / r, and B starts at zero, so step 0 of a
+tune is exactly the base model. Written out twice: the PEFT layout (loadable by
+`peft.PeftModel.from_pretrained`) and the mlx-lm layout.
+"""
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from .errors import SpillpackError
+
+PEFT_PREFIX = "base_model.model."
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+MLX_WEIGHTS = "adapters.safetensors"
+MLX_DIR = "mlx"
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def target_linears(config: dict, targets: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """HF module name -> (in_features, out_features) for each adapted linear layer."""
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    inter = config["intermediate_size"]
+    shapes = {
+        "self_attn.q_proj": (hidden, heads * head_dim),
+        "self_attn.k_proj": (hidden, kv * head_dim),
+        "self_attn.v_proj": (hidden, kv * head_dim),
+        "self_attn.o_proj": (heads * head_dim, hidden),
+        "mlp.gate_proj": (hidden, inter),
+        "mlp.up_proj": (hidden, inter),
+        "mlp.down_proj": (inter, hidden),
+    }
+    known = {k.split(".")[-1] for k in shapes}
+    unknown = [t for t in targets if t not in known]
+    if unknown:
+        raise SpillpackError(f"unknown LoRA target {unknown[0]!r}", f"--targets with some of {','.join(sorted(known))}")
+    out = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name, shape in shapes.items():
+            if name.split(".")[-1] in targets:
+                out[f"model.layers.{layer}.{name}"] = shape
+    return out
+
+
+def init_tensors(config: dict, spec: LoraSpec, seed: int) -> dict[str, np.ndarray]:
+    """A as PEFT initializes it (kaiming-uniform, bound 1/sqrt(in)), B zero; from numpy so
+    every engine starts from the same bytes."""
+    rng = np.random.Generator(np.random.PCG64([seed, 0x10AA]))
+    out = {}
+    for name, (fan_in, fan_out) in sorted(target_linears(config, spec.targets).items()):
+        bound = 1.0 / math.sqrt(fan_in)
+        out[f"{name}.lora_A.weight"] = rng.uniform(-bound, bound, size=(spec.rank, fan_in)).astype(np.float32)
+        out[f"{name}.lora_B.weight"] = np.zeros((fan_out, spec.rank), dtype=np.float32)
+    return out
+
+
+def save_adapter(directory: Path, tensors: dict[str, np.ndarray], spec: LoraSpec, base_model: str, num_layers: int) -> None:
+    """Both layouts into `directory` (PEFT at the top, mlx-lm under mlx/)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({PEFT_PREFIX + k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+              str(directory / PEFT_WEIGHTS), metadata={"format": "pt"})
+    peft_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(spec.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+    }
+    (directory / PEFT_CONFIG).write_text(json.dumps(peft_config, indent=2) + "\n")
+    mlx_dir = directory / MLX_DIR
+    mlx_dir.mkdir(exist_ok=True)
+    mlx_tensors = {}
+    for k, v in tensors.items():
+        module, which = k.rsplit(".lora_", 1)
+        if which == "A.weight":
+            mlx_tensors[f"{module}.lora_a"] = np.ascontiguousarray(v.T)
+        else:
+            mlx_tensors[f"{module}.lora_b"] = np.ascontiguousarray(v.T)
+    save_file(mlx_tensors, str(mlx_dir / MLX_WEIGHTS))
+    mlx_config = {
+        "fine_tune_type": "lora",
+        "num_layers": num_layers,
+        "lora_parameters": {"rank": spec.rank, "scale": spec.scale, "dropout": spec.dropout,
+                            "keys": sorted({k.split(".", 3)[3].rsplit(".lora_", 1)[0] for k in tensors})},
+    }
+    (mlx_dir / "adapter_config.json").write_text(json.dumps(mlx_config, indent=2) + "\n")
+
+
+def load_adapter(directory: Path) -> tuple[dict[str, np.ndarray], LoraSpec]:
+    """Read a PEFT-layout adapter (ours or PEFT's own)."""
+    directory = Path(directory)
+    cfg_path, weights_path = directory / PEFT_CONFIG, directory / PEFT_WEIGHTS
+    if not cfg_path.is_file() or not weights_path.is_file():
+        raise SpillpackError(f"{directory} is not a LoRA adapter (needs {PEFT_CONFIG} and {PEFT_WEIGHTS})", f"ls {directory}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+        raw = load_file(str(weights_path))
+    except Exception as e:
+        raise SpillpackError(f"adapter {directory} cannot be read ({e})", f"ls -l {directory}")
+    tensors = {}
+    for k, v in raw.items():
+        k = k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k
+        k = k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+        tensors[k] = v.astype(np.float32)
+    targets = cfg.get("target_modules") or []
+    targets = tuple(sorted(targets if isinstance(targets, list) else [targets]))
+    spec = LoraSpec(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), targets=targets, dropout=float(cfg.get("lora_dropout", 0.0)))
+    return tensors, spec
+
+
+def spec_dict(spec: LoraSpec) -> dict:
+    d = asdict(spec)
+    d["targets"] = list(spec.targets)
+    return d

@@ -1,0 +1,163 @@
+"""Reading JSONL data, and the training batch order.
+
+The order is a pure function of (seed, epoch, step) over the tokenized examples, so a
+job resumed on another machine or engine sees exactly the batches it would have seen.
+"""
+
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+import orjson
+
+from .errors import SpillpackError
+from .store import open_store
+
+
+def read_bytes(uri: str, what: str = "data") -> bytes:
+    """The whole file behind a path, file:// or s3:// URI."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        parent, _, name = uri.rstrip("/").rpartition("/")
+        data = open_store(parent).read(name)
+        if data is None:
+            raise SpillpackError(f"{what} {uri} does not exist", f"aws s3 ls {parent}/")
+        return data
+    path = Path(parsed.path if parsed.scheme == "file" else uri).expanduser()
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise SpillpackError(f"{what} file {uri} does not exist", f"ls {path.parent}")
+    except IsADirectoryError:
+        raise SpillpackError(f"{what} {uri} is a directory, not a JSONL file", f"ls {path}")
+    except OSError as e:
+        raise SpillpackError(f"cannot read {what} {uri}: {e.strerror}", f"ls -l {path}")
+
+
+def iter_jsonl(raw: bytes, uri: str):
+    """(line number, object) for each non-blank line; a bad line is one error naming it."""
+    if not raw.strip():
+        raise SpillpackError(f"{uri} is empty", f"head {uri}")
+    for n, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            raise SpillpackError(f"{uri} line {n} is not JSON ({str(e).split(':')[0]})", f"sed -n {n}p {uri}")
+        if not isinstance(obj, dict):
+            raise SpillpackError(f"{uri} line {n} is not a JSON object", f"sed -n {n}p {uri}")
+        yield n, obj
+
+
+def sha256(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()
+
+
+# -- training examples --------------------------------------------------------------
+
+
+def chat_messages(obj: dict, n: int, uri: str) -> list[dict]:
+    """The OpenAI fine-tuning chat shape, or {prompt, completion} as one user/assistant turn."""
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise SpillpackError(f"{uri} line {n}: \"messages\" must be a list of {{role, content}}", f"sed -n {n}p {uri}")
+        if not any(m["role"] == "assistant" and isinstance(m.get("content"), str) and m["content"] for m in messages):
+            raise SpillpackError(f"{uri} line {n} has no assistant content to learn from", f"sed -n {n}p {uri}")
+        return messages
+    if "prompt" in obj and "completion" in obj:
+        if not isinstance(obj["completion"], str) or not obj["completion"]:
+            raise SpillpackError(f"{uri} line {n} has an empty completion", f"sed -n {n}p {uri}")
+        return [{"role": "user", "content": str(obj["prompt"])}, {"role": "assistant", "content": obj["completion"]}]
+    raise SpillpackError(f"{uri} line {n} has neither \"messages\" nor \"prompt\"/\"completion\"", f"sed -n {n}p {uri}")
+
+
+@dataclass
+class Example:
+    ids: list[int]
+    mask: list[int]  # 1 where the token is a target (assistant content and its end-of-turn)
+
+
+@dataclass
+class TrainData:
+    examples: list[Example]
+    dropped_long: int
+    sha256: str
+    lines: int
+
+
+def load_train_data(uri: str, tokenizer, max_seq: int) -> TrainData:
+    raw = read_bytes(uri, "training data")
+    examples, dropped, lines = [], 0, 0
+    for n, obj in iter_jsonl(raw, uri):
+        lines += 1
+        ids, mask = tokenizer.encode_chat(chat_messages(obj, n, uri))
+        if len(ids) > max_seq:
+            dropped += 1
+            continue
+        if sum(mask[1:]) == 0:  # targets are predicted from the token before them
+            raise SpillpackError(f"{uri} line {n} has no assistant tokens after rendering", f"sed -n {n}p {uri}")
+        examples.append(Example(ids, mask))
+    if not examples:
+        raise SpillpackError(f"every example in {uri} is longer than --max-seq {max_seq} ({dropped} dropped)", f"--max-seq {max_seq * 2}")
+    return TrainData(examples, dropped, sha256(raw), lines)
+
+
+# -- batch order ----------------------------------------------------------------------
+
+
+def epoch_batches(lengths: list[int], batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's micro-batches (example indices), grouped by length so little is padding.
+
+    Shuffle, sort within windows of 16 batches so each batch holds similar lengths, then
+    shuffle the batches themselves. Pure function of its arguments.
+    """
+    rng = np.random.Generator(np.random.PCG64([seed, epoch]))
+    order = rng.permutation(len(lengths))
+    window = batch * 16
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start:start + window].tolist(), key=lambda i: (lengths[i], i))
+        batches.extend(chunk[i:i + batch] for i in range(0, len(chunk), batch))
+    return [batches[i] for i in rng.permutation(len(batches)).tolist()]
+
+
+class BatchOrder:
+    """Micro-batch k of the whole run, across epochs; step s uses k in [s*ga, (s+1)*ga)."""
+
+    def __init__(self, lengths: list[int], batch: int, grad_accum: int, seed: int):
+        self.lengths, self.batch, self.grad_accum, self.seed = lengths, batch, grad_accum, seed
+        self.per_epoch = math.ceil(len(lengths) / batch)
+        self._cache: dict[int, list[list[int]]] = {}
+
+    def steps_for(self, steps: int | None, epochs: float | None) -> int:
+        if steps is not None:
+            return steps
+        return max(1, math.ceil((epochs or 1.0) * self.per_epoch / self.grad_accum))
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        out = []
+        for k in range(step * self.grad_accum, (step + 1) * self.grad_accum):
+            epoch, i = divmod(k, self.per_epoch)
+            if epoch not in self._cache:
+                self._cache = {epoch: epoch_batches(self.lengths, self.batch, self.seed, epoch)}
+            out.append(self._cache[epoch][i])
+        return out
+
+
+def collate(examples: list[Example], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded (B, T) input ids and (B, T) next-token labels, -100 where no loss."""
+    T = max(len(e.ids) for e in examples)
+    ids = np.full((len(examples), T), pad_id, dtype=np.int64)
+    labels = np.full((len(examples), T), -100, dtype=np.int64)
+    for b, e in enumerate(examples):
+        n = len(e.ids)
+        ids[b, :n] = e.ids
+        target = np.asarray(e.ids[1:], dtype=np.int64)
+        keep = np.asarray(e.mask[1:], dtype=bool)
+        labels[b, : n - 1] = np.where(keep, target, -100)
+    return ids, labels

@@ -1,0 +1,77 @@
+"""The one job core: what every job command does around its own work.
+
+Choose the engine, open the state (refusing another job's), install the preemption
+handler, and turn the outcome into events and an exit code: `done` (0), `preempted`
+after a committed checkpoint (75), or an error line (1). Jobs supply only their work.
+"""
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from .errors import EXIT_OK, EXIT_PREEMPTED
+from .events import Events
+from .hardware import choose_engine
+from .paths import spillpack_home
+from .signals import Preemption
+from .state import JobState
+from .store import open_store
+
+
+def default_state_uri(name: str) -> str:
+    return str(spillpack_home() / "jobs" / name)
+
+
+@dataclass
+class Job:
+    """One process's run of a job."""
+
+    command: str
+    name: str
+    events: Events
+    engine_name: str
+    engine_reason: str
+    state: JobState
+    preemption: Preemption
+    t0: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def open(cls, command: str, name: str, options: dict, identity: dict, events: Events) -> "Job":
+        engine_name, reason = choose_engine(options.get("engine"))
+        events.engine = engine_name
+        uri = options.get("state") or default_state_uri(name)
+        state = JobState(open_store(uri), identity, engine=engine_name)
+        state.open()
+        preemption = Preemption().install()
+        return cls(command, name, events, engine_name, reason, state, preemption)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def restored(self, count: int, uri: str) -> None:
+        self.events.emit("restore", step=count, uri=uri)
+        self.state.log("resume", step=count, uri=uri)
+
+    def checkpointed(self, step: int, uri: str, seconds: float, **fields) -> None:
+        self.events.emit("checkpoint", step=step, uri=uri, seconds=round(seconds, 3), **fields)
+
+    def preempted(self, step: int, abandoned_quantum: bool) -> int:
+        sig = self.preemption.signal_name or "SIGTERM"
+        self.state.log("interrupted", signal=sig, step=step, abandoned_quantum=abandoned_quantum)
+        self.events.emit("preempted", step=step, signal=sig, abandoned_quantum=abandoned_quantum)
+        self.close()
+        return EXIT_PREEMPTED
+
+    def done(self, step: int, complete: bool, **summary) -> int:
+        self.state.log("done" if complete else "stopped", step=step)
+        self.events.emit("done", step=step, complete=complete, stopped_early=not complete,
+                         seconds=round(self.elapsed(), 3), **summary)
+        self.close()
+        return EXIT_OK
+
+    def close(self) -> None:
+        self.preemption.uninstall()
+
+
+def host_label() -> str:
+    return f"{os.uname().nodename}:{os.getpid()}"

@@ -1,0 +1,60 @@
+"""Shared fixtures: every test runs with SPILLPACK_HOME in a temporary directory.
+
+The built-in tiny model is built once per session and copied into each test's home,
+so tests are isolated without paying for the build each time.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_home(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("tiny-home")
+    old = os.environ.get("SPILLPACK_HOME")
+    os.environ["SPILLPACK_HOME"] = str(home)
+    try:
+        from runtime.tiny import ensure_tiny
+
+        ensure_tiny()
+    finally:
+        if old is None:
+            os.environ.pop("SPILLPACK_HOME", None)
+        else:
+            os.environ["SPILLPACK_HOME"] = old
+    return home
+
+
+@pytest.fixture
+def home(tmp_path, tiny_home, monkeypatch) -> Path:
+    """A fresh SPILLPACK_HOME holding the tiny model."""
+    h = tmp_path / "home"
+    shutil.copytree(tiny_home / "models", h / "models")
+    monkeypatch.setenv("SPILLPACK_HOME", str(h))
+    monkeypatch.delenv("SPILLPACK_ENGINE", raising=False)
+    monkeypatch.delenv("SPILLPACK_STATUS", raising=False)
+    return h
+
+
+def spillpack_cmd() -> list[str]:
+    return [sys.executable, "-m", "runtime"]
+
+
+def run_cli(args, env=None, timeout=300, **kw) -> subprocess.CompletedProcess:
+    """Run the CLI as a user does: a subprocess, headless JSON lines on stdout."""
+    full_env = {**os.environ, "SPILLPACK_HEADLESS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "spillpack", *args], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=kw.pop("cwd", REPO), **kw)
+
+
+def events_of(stdout: str) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
