@@ -165,4 +165,28 @@ class Model(nn.Module):
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(self.args, batch, max_len, dtype=self.model.embed_tokens.weight.dtype)
 
+    def make_decoder(self, slots: int, max_len: int) -> "Decoder":
+        return Decoder(self, slots, max_len)
+
     sanitize = torch_llama.Model.sanitize  # the same checkpoint quirks: one definition
+
+
+class Decoder:
+    """The MLX half of runtime.generate's Generator: slot prefill and batched decode, numpy logits out."""
+
+    def __init__(self, model: Model, slots: int, max_len: int):
+        self.model = model
+        self.cache = model.make_cache(slots, max_len)
+
+    def prefill(self, slot: int, prompt_ids: list[int]) -> np.ndarray:
+        self.cache.lengths[slot] = 0  # the slot's old keys are masked out, no need to clear them
+        hidden = self.model.hidden_states(mx.array([prompt_ids]), cache=self.cache.row(slot))
+        return np.array(self.model.logits(hidden[0, -1]).astype(mx.float32))  # (V,)
+
+    def decode(self, last: list[int], idle: list[bool]) -> np.ndarray:
+        logits = self.model(mx.array(last)[:, None], cache=self.cache)[:, -1]  # (slots, V)
+        self.cache.lengths[np.array(idle, dtype=bool)] = 0
+        return np.array(logits.astype(mx.float32))
+
+    def release(self, slot: int) -> None:
+        self.cache.lengths[slot] = 0
