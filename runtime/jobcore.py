@@ -14,7 +14,7 @@ from .events import Events
 from .hardware import choose_engine
 from .paths import spillpack_home
 from .signals import Preemption
-from .state import JobState
+from .state import JobState, describe_runs
 from .store import open_store
 
 
@@ -49,7 +49,9 @@ class Job:
         return time.monotonic() - self.t0
 
     def restored(self, count: int, uri: str) -> None:
+        earlier = describe_runs(self.state.engine_runs()[:-1])
         self.events.emit("restore", step=count, uri=uri)
+        self.events.say(f"resuming at {count} on {self.engine_name}; so far: {earlier}")
         self.state.log("resume", step=count, uri=uri)
 
     def checkpointed(self, step: int, uri: str, seconds: float, **fields) -> None:
