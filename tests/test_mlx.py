@@ -231,3 +231,17 @@ def test_torch_cuda_without_cuda_is_one_line(home):
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("spillpack: engine torch-cuda is not usable here: ") and "Try: spillpack doctor" in lines[0]
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_doctor_measures_each_usable_engine(home):
+    r = run_cli(["doctor"])
+    assert r.returncode == 0, r.stderr
+    report = events_of(r.stdout)[0]
+    engines = report["engines"]
+    for name in ("mlx", "torch-cpu"):
+        assert engines[name]["usable"], engines[name]
+        assert engines[name]["matmul_gflops"] > 0 and engines[name]["mem_gbps"] > 0
+    if not torch.cuda.is_available():
+        assert engines["torch-cuda"] == {"usable": False, "detail": "this torch has no CUDA support"} or \
+            engines["torch-cuda"]["detail"] == "no CUDA device is visible"
+    assert report["engine"] == "torch-cpu" and report["engine_reason"]
