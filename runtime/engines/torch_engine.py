@@ -79,7 +79,7 @@ class TorchTrainSession:
             logits = self.model.logits(hidden[keep]).float()  # (N, V): only positions with loss
             loss = F.cross_entropy(logits, labels_t[keep], reduction="sum")
             (loss / total_targets).backward()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
             tokens += int(ids.size)
         return loss_sum, tokens
 
