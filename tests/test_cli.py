@@ -75,3 +75,11 @@ def test_bad_config_file(tmp_path):
     cfg.write_text("{not json")
     r = run_cli(["tune", "--config", str(cfg)])
     assert r.returncode == 1 and "is not valid JSON" in r.stderr
+
+
+def test_models_lists_tags_and_tiny(home):
+    r = run_cli(["models"])
+    assert r.returncode == 0, r.stderr
+    rows = {row["name"]: row for row in events_of(r.stdout)}
+    assert rows["tiny"]["here"] == str(home / "models" / "tiny")
+    assert rows["qwen2.5:0.5b"]["arch"] == "qwen2" and rows["qwen2.5:0.5b"]["here"] is None
