@@ -89,7 +89,7 @@ class Events:
         elif ev == "preempted":
             self.say(f"preempted by {r['signal']}: checkpoint committed at {r['step']}; run the same command again to continue")
         elif ev == "done":
-            self._end_live()
+            self.say(_summary(r))
         elif ev == "error":
             self._end_live()
         else:
@@ -124,6 +124,23 @@ class Events:
             os.replace(tmp, self.status_path)
         except OSError:
             pass  # a watcher's convenience must never fail the job
+
+
+_NOT_SUMMARY = set(COMMON_KEYS) | {"complete", "stopped_early", "seconds"}
+
+
+def _summary(r: dict) -> str:
+    how = "done" if r.get("complete") else "stopped early (run the same command to continue)"
+    parts = []
+    for key, value in r.items():
+        if key in _NOT_SUMMARY or value is None:
+            continue
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        elif isinstance(value, (list, dict)):
+            continue  # tables are printed by the job itself
+        parts.append(f"{key.replace('_', ' ')} {value}")
+    return f"{r['command']} {how} in {_duration(r.get('seconds') or 0)}: " + ", ".join(parts)
 
 
 def _duration(seconds: float) -> str:
