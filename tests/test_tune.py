@@ -225,3 +225,4 @@ def test_unwritable_state(home, tmp_path):
         target = ro / "state"
     r = run_cli(BASE[:3] + ["--steps", "1", "--state", str(target)])
     assert r.returncode == 1 and "not writable" in _error(r)
+

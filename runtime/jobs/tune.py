@@ -96,14 +96,18 @@ def main(inv, events) -> int:
     }
     job = Job.open("tune", o["name"], o, identity, events)
     engine = get_engine(job.engine_name)
-    session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]))
-    session.pad_id = tokenizer.pad_token_id or 0
-
     step, losses = 0, []
     latest = job.state.latest_checkpoint()
+    try:
+        with job.preemption.setup():
+            session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]))
+            session.pad_id = tokenizer.pad_token_id or 0
+            if latest is not None:
+                meta = orjson.loads(job.state.read_file(latest, CHECKPOINT_META))
+                session.load(st_load(job.state.read_file(latest, CHECKPOINT_TENSORS)), latest.step)
+    except Abandon:
+        return job.preempted(latest.step if latest else 0, abandoned_quantum=True)
     if latest is not None:
-        meta = orjson.loads(job.state.read_file(latest, CHECKPOINT_META))
-        session.load(st_load(job.state.read_file(latest, CHECKPOINT_TENSORS)), latest.step)
         step, losses = latest.step, meta["losses"]
         job.restored(step, job.state.store.child_uri(f"commits/{latest.seq:08d}.json"))
     committed = step
