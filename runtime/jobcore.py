@@ -5,7 +5,6 @@ handler, and turn the outcome into events and an exit code: `done` (0), `preempt
 after a committed checkpoint (75), or an error line (1). Jobs supply only their work.
 """
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -71,7 +70,3 @@ class Job:
 
     def close(self) -> None:
         self.preemption.uninstall()
-
-
-def host_label() -> str:
-    return f"{os.uname().nodename}:{os.getpid()}"

@@ -172,11 +172,7 @@ class JobState:
         record = {"what": what, "time": round(now, 3), "host": self.host, "pid": os.getpid(), "engine": self.engine,
                   "writer": self.writer, **fields}
         key = f"history/{int(now * 1e6):017d}-{self.writer}-{self._history_n:05d}.json"
-        try:
-            self.store.write(key, orjson.dumps(record))
-        except Exception:
-            if what not in ("interrupted",):
-                raise
+        self.store.write(key, orjson.dumps(record))
 
     def history(self) -> list[dict]:
         out = []
