@@ -136,8 +136,9 @@ class FaultProxy:
 
     fail(503, times=3, path=...)   answer 500/503/403 with an S3 error body instead of forwarding
     cut(times=2, method="GET")     forward, then send the headers and half the body and drop the connection
-    stall(path=..., skip=1)        hold the matching upload after half its body arrived, until .release();
-                                   then drop it unforwarded (the client is usually dead by then)
+    stall(path=..., skip=1)        hold the matching upload after half its body arrived (or the download after
+                                   half its body was sent) until .release(), then drop the connection; an
+                                   upload is never forwarded. `.arrived` is set when it is being held.
     strip_conditional()            drop If-None-Match / If-Match: a server that ignores conditional writes
     serialize(path=...)            forward matching requests one at a time
     `log` holds (method, path, status) of every request answered.
@@ -230,7 +231,7 @@ class FaultProxy:
         method, path = h.command, h.path
         rules = self._match(method, path)
         actions = {r.action: r for r in rules}
-        if "stall" in actions:
+        if "stall" in actions and method != "GET":
             # Half the body arrives, then nothing until the test says so; the upload never completes.
             n = int(h.headers.get("Content-Length") or 0)
             h.rfile.read(n // 2)
@@ -272,6 +273,14 @@ class FaultProxy:
         h.end_headers()
         if method == "HEAD":
             pass
+        elif "stall" in actions and len(data) > 1:
+            # Half the download arrives, then nothing until the test says so; then the connection drops.
+            h.wfile.write(data[: len(data) // 2])
+            h.wfile.flush()
+            actions["stall"].arrived.set()
+            actions["stall"].released.wait(120)
+            self._drop(h, method, path)
+            return
         elif "cut" in actions and len(data) > 1:
             h.wfile.write(data[: len(data) // 2])
             h.wfile.flush()
