@@ -119,6 +119,7 @@ class Rule:
     times: int  # how many matching requests it applies to (-1: all)
     status: int = 503
     skip: int = 0  # let this many matching requests through first
+    barrier: threading.Barrier | None = None
     arrived: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -136,6 +137,7 @@ class FaultProxy:
 
     fail(503, times=3, path=...)   answer 500/503/403 with an S3 error body instead of forwarding
     cut(times=2, method="GET")     forward, then send the headers and half the body and drop the connection
+                                   (other methods: forward, then drop the connection before answering)
     stall(path=..., skip=1)        hold the matching upload after half its body arrived (or the download after
                                    half its body was sent) until .release(), then drop the connection; an
                                    upload is never forwarded. `.arrived` is set when it is being held.
@@ -195,15 +197,22 @@ class FaultProxy:
     def serialize(self, path: str, method: str | None = "PUT") -> Rule:
         return self._add(method, path, "serialize", -1)
 
+    def gate(self, path: str, count: int = 2, method: str | None = "PUT") -> Rule:
+        """Hold the first `count` matching requests until all have arrived, then forward them one at a time."""
+        return self._add(method, path, "gate", count, barrier=threading.Barrier(count, timeout=180))
+
     def count(self, method: str, path: str = ".") -> int:
         pattern = re.compile(path)
         return sum(1 for m, p, _ in self.log if m == method and pattern.search(p))
 
     def _match(self, method: str, path: str) -> list[Rule]:
+        """Every matching passive rule (strip, serialize), and the first matching fault, in the order added."""
         out = []
         with self._lock:
             for r in self.rules:
                 if (r.method is None or r.method == method) and r.pattern.search(path) and r.times != 0:
+                    if r.action not in ("strip", "serialize") and any(o.action not in ("strip", "serialize") for o in out):
+                        continue
                     if r.skip > 0:
                         r.skip -= 1
                         continue
@@ -258,12 +267,18 @@ class FaultProxy:
             headers = {k: v for k, v in headers.items() if k.lower() not in ("if-none-match", "if-match")}
         if body or method in ("PUT", "POST"):
             headers["Content-Length"] = str(len(body))
-        serial = actions.get("serialize")
+        if "gate" in actions:
+            actions["gate"].barrier.wait()
+        serial = actions.get("serialize") or actions.get("gate")
         if serial:
             with serial.lock:
                 status, resp_headers, data = self._forward(method, path, headers, body)
         else:
             status, resp_headers, data = self._forward(method, path, headers, body)
+        if "cut" in actions and method != "GET":
+            # The request reached the server and took effect; only the answer is lost.
+            self._drop(h, method, path)
+            return
         h.send_response(status)
         for k, v in resp_headers:
             if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):

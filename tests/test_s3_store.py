@@ -130,3 +130,12 @@ def test_5xx_and_cut_connections_are_retried(s3_uri, via_proxy, tmp_path):
     assert store.get_file("big", tmp_path / "big") and (tmp_path / "big").read_bytes() == blob
     assert via_proxy.count("PUT", r"/big") >= 2 and any(s == -1 for _, _, s in via_proxy.log)
     assert [p.name for p in tmp_path.iterdir()] == ["big"]  # no temp file left behind
+
+
+def test_create_whose_answer_was_lost_still_counts_as_won(s3_uri, via_proxy):
+    via_proxy.cut(times=1, method="PUT", path=r"/lost")  # the PUT lands, the connection drops before the 200
+    store = open_store(s3_uri)
+    assert store.create("lost", b"mine") is True
+    statuses = [s for m, p, s in via_proxy.log if m == "PUT" and p.endswith("/lost")]
+    assert statuses == [-1, 412]  # botocore's retry found the object already there: it was ours
+    assert store.create("lost", b"theirs") is False
