@@ -88,6 +88,11 @@ class Events:
                 self.say(f"checkpoint at {r['step']} committed to {r['uri']} in {r['seconds']:.2f}s")
         elif ev == "preempted":
             self.say(f"preempted by {r['signal']}: checkpoint committed at {r['step']}; run the same command again to continue")
+        elif ev == "stage":
+            if r.get("status") == "start":
+                self.say(f"[{r['stage']}] {r.get('message') or 'starting'}")
+            elif r.get("status") == "scored":
+                self.say(f"[{r['stage']}] done: {r.get('score')}")
         elif ev == "done":
             self._end_live()
         elif ev == "error":

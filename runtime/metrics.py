@@ -57,4 +57,6 @@ def wilson(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    lo = 0.0 if correct == 0 else max(0.0, centre - half)  # exact at the ends, free of rounding
+    hi = 1.0 if correct == n else min(1.0, centre + half)
+    return lo, hi
