@@ -18,8 +18,8 @@ def small_folder(path, evals=6, train=16, prompts=4):
     return path
 
 
-def build(folder, state, *extra):
-    r = run_cli(["build", str(folder), "--state", str(state), *extra])
+def build(folder, state, *extra, timeout=300):
+    r = run_cli(["build", str(folder), "--state", str(state), *extra], timeout=timeout)
     assert r.returncode == 0, r.stderr
     return events_of(r.stdout)
 
@@ -62,7 +62,7 @@ def test_example_task_is_learned_and_distilled(home, tmp_path):
     folder.mkdir()
     for name in ("evals.jsonl", "train.jsonl"):
         shutil.copy(DATA / name, folder / name)
-    done = build(folder, tmp_path / "b1")[-1]
+    done = build(folder, tmp_path / "b1", timeout=1800)[-1]
     before, after = done["stages"]["eval-base"]["accuracy"], done["stages"]["eval-tuned"]["accuracy"]
     assert after >= before + 0.4, (before, after)
 
@@ -71,6 +71,6 @@ def test_example_task_is_learned_and_distilled(home, tmp_path):
     for name in ("evals.jsonl", "prompts.jsonl"):
         shutil.copy(DATA / name, distill_folder / name)
     teacher = str(tmp_path / "b1/stages/tune/adapter")
-    d = build(distill_folder, tmp_path / "b2", "--teacher-adapter", teacher)[-1]
+    d = build(distill_folder, tmp_path / "b2", "--teacher-adapter", teacher, timeout=1800)[-1]
     assert d["stages"]["distill"]["examples"] > 0
     assert d["stages"]["eval-tuned"]["accuracy"] >= d["stages"]["eval-base"]["accuracy"] + 0.3, d["stages"]
