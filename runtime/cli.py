@@ -20,6 +20,8 @@ from .options import JOB_COMMANDS, options_for
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {
     "doctor": ("runtime.doctor", "this machine: Python, engines, memory, disk"),
+    "resume": ("runtime.jobs.resume", "continue an interrupted job from its state, bundle or config"),
+    "status": ("runtime.jobs.status", "the story of a job from its state: processes, checkpoints, interruptions"),
 }
 
 

@@ -88,6 +88,11 @@ class Events:
                 self.say(f"checkpoint at {r['step']} committed to {r['uri']} in {r['seconds']:.2f}s")
         elif ev == "preempted":
             self.say(f"preempted by {r['signal']}: checkpoint committed at {r['step']}; run the same command again to continue")
+        elif ev == "stage":
+            if r.get("status") == "start":
+                self.say(f"[{r['stage']}] {r.get('message') or 'starting'}")
+            elif r.get("status") == "scored":
+                self.say(f"[{r['stage']}] done: {r.get('score')}")
         elif ev == "done":
             self.say(_summary(r))
         elif ev == "error":
@@ -104,6 +109,7 @@ class Events:
         ev = r["event"]
         s["phase"] = {"start": "running", "restore": "running", "step": "running", "row": "running",
                       "checkpoint": "running", "preempted": "preempted", "done": "done", "error": "error"}.get(ev, s["phase"])
+        s["command"] = r["command"]  # a `resume` learns its job's command after the file was started
         s["engine"] = r["engine"]
         s["updated"] = r["time"]
         for key in ("step", "eta_s", "loss"):
@@ -111,6 +117,8 @@ class Events:
                 s[key] = r[key]
         if r.get("total") is not None:
             s["total"] = r["total"]
+        if ev in ("row", "restore") and self.command in ("run", "eval", "distill"):
+            s["rows_done"] = r["step"]
         if r.get("steps") is not None and ev in ("step", "start"):
             s["total"] = r["steps"]
         if ev == "checkpoint":

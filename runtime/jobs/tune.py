@@ -94,7 +94,7 @@ def main(inv, events) -> int:
         **{k: o[k] for k in ("rank", "alpha", "targets", "dropout", "lr", "schedule", "warmup", "weight_decay",
                              "batch", "grad_accum", "max_seq", "seed")},
     }
-    job = Job.open("tune", o["name"], o, identity, events)
+    job = Job.open("tune", o["name"], o, identity, events, invocation=inv.to_config())
     engine = get_engine(job.engine_name)
     step, losses = 0, []
     latest = job.state.latest_checkpoint()
@@ -153,6 +153,7 @@ def main(inv, events) -> int:
             step += 1
             loss = loss_sum / n_targets
             losses.append(loss)
+            job.progress(step)
             dt = time.perf_counter() - t0
             step_times.append(dt)
             recent = step_times[-10:]
