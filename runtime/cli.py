@@ -20,6 +20,8 @@ from .options import JOB_COMMANDS, options_for
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {
     "doctor": ("runtime.doctor", "this machine: Python, engines, memory, disk"),
+    "resume": ("runtime.jobs.resume", "continue an interrupted job from its state, bundle or config"),
+    "status": ("runtime.jobs.status", "the story of a job from its state: processes, checkpoints, interruptions"),
 }
 
 
@@ -73,6 +75,10 @@ def main(argv: list[str] | None = None, extra: dict | None = None) -> int:
             return _run_job(command, ns, events)
         module = {**OTHER_COMMANDS, **(extra or {})}[command][0]
         return importlib.import_module(module).main(ns, events)
+    except UsageError as e:
+        if command and e.try_ == "spillpack --help":  # argparse reports a subcommand's stray flags at the top
+            e = UsageError(e.what, f"spillpack {command} --help")
+        return _fail(e, events, debug)
     except SpillpackError as e:
         return _fail(e, events, debug)
     except KeyboardInterrupt:

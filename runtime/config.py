@@ -58,6 +58,11 @@ def read_config(path: str) -> dict:
             data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise SpillpackError(f"config {path} is not valid {'TOML' if p.suffix == '.toml' else 'JSON'} ({e})", f"spillpack <command> ... --emit-config {path}")
+    return check_config(data, path)
+
+
+def check_config(data, path: str) -> dict:
+    """The checks of a config's shape, wherever it was read from (a file, a job's state)."""
     if not isinstance(data, dict) or data.get("spillpack_config") != CONFIG_VERSION:
         raise SpillpackError(f"{path} is not a spillpack config (no \"spillpack_config\": {CONFIG_VERSION})", f"spillpack <command> ... --emit-config {path}")
     command = data.get("command")
@@ -93,9 +98,11 @@ def write_config(inv: Invocation, path: str) -> None:
     os.replace(tmp, p)
 
 
-def resolve(command: str, given: dict, config_path: str | None) -> tuple[dict, dict]:
-    """Defaults < config file < command line. Returns (arguments, options) for the job."""
+def resolve(command: str, given: dict, config_path: str | None, config: dict | None = None) -> tuple[dict, dict]:
+    """Defaults < config file (or an already read `config`) < command line. Returns (arguments, options)."""
     from_file: dict = {}
+    if config is not None:
+        from_file = {**config.get("arguments", {}), **config.get("options", {})}
     if config_path:
         data = read_config(config_path)
         if data["command"] != command:

@@ -88,8 +88,13 @@ class Events:
                 self.say(f"checkpoint at {r['step']} committed to {r['uri']} in {r['seconds']:.2f}s")
         elif ev == "preempted":
             self.say(f"preempted by {r['signal']}: checkpoint committed at {r['step']}; run the same command again to continue")
+        elif ev == "stage":
+            if r.get("status") == "start":
+                self.say(f"[{r['stage']}] {r.get('message') or 'starting'}")
+            elif r.get("status") == "scored":
+                self.say(f"[{r['stage']}] done: {r.get('score')}")
         elif ev == "done":
-            self._end_live()
+            self.say(_summary(r))
         elif ev == "error":
             self._end_live()
         else:
@@ -104,6 +109,7 @@ class Events:
         ev = r["event"]
         s["phase"] = {"start": "running", "restore": "running", "step": "running", "row": "running",
                       "checkpoint": "running", "preempted": "preempted", "done": "done", "error": "error"}.get(ev, s["phase"])
+        s["command"] = r["command"]  # a `resume` learns its job's command after the file was started
         s["engine"] = r["engine"]
         s["updated"] = r["time"]
         for key in ("step", "eta_s", "loss"):
@@ -111,6 +117,8 @@ class Events:
                 s[key] = r[key]
         if r.get("total") is not None:
             s["total"] = r["total"]
+        if ev in ("row", "restore") and self.command in ("run", "eval", "distill"):
+            s["rows_done"] = r["step"]
         if r.get("steps") is not None and ev in ("step", "start"):
             s["total"] = r["steps"]
         if ev == "checkpoint":
@@ -124,6 +132,23 @@ class Events:
             os.replace(tmp, self.status_path)
         except OSError:
             pass  # a watcher's convenience must never fail the job
+
+
+_NOT_SUMMARY = set(COMMON_KEYS) | {"complete", "stopped_early", "seconds"}
+
+
+def _summary(r: dict) -> str:
+    how = "done" if r.get("complete") else "stopped early (run the same command to continue)"
+    parts = []
+    for key, value in r.items():
+        if key in _NOT_SUMMARY or value is None:
+            continue
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        elif isinstance(value, (list, dict)):
+            continue  # tables are printed by the job itself
+        parts.append(f"{key.replace('_', ' ')} {value}")
+    return f"{r['command']} {how} in {_duration(r.get('seconds') or 0)}: " + ", ".join(parts)
 
 
 def _duration(seconds: float) -> str:

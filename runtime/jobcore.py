@@ -5,7 +5,6 @@ handler, and turn the outcome into events and an exit code: `done` (0), `preempt
 after a committed checkpoint (75), or an error line (1). Jobs supply only their work.
 """
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -34,19 +33,34 @@ class Job:
     state: JobState
     preemption: Preemption
     t0: float = field(default_factory=time.monotonic)
+    _progress_at: float = 0.0
+
+    PROGRESS_EVERY_S = 1.0
 
     @classmethod
-    def open(cls, command: str, name: str, options: dict, identity: dict, events: Events) -> "Job":
+    def open(cls, command: str, name: str, options: dict, identity: dict, events: Events,
+             invocation: dict | None = None) -> "Job":
+        """`invocation`: the resolved config (Invocation.to_config()), kept in the state so
+        `spillpack resume` can run the job again from its state alone."""
         engine_name, reason = choose_engine(options.get("engine"))
         events.engine = engine_name
         uri = options.get("state") or default_state_uri(name)
         state = JobState(open_store(uri), identity, engine=engine_name)
         state.open()
+        if invocation is not None:
+            state.save_invocation({**invocation, "options": {**invocation["options"], "state": uri}})
         preemption = Preemption().install()
         return cls(command, name, events, engine_name, reason, state, preemption)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
+
+    def progress(self, done: int) -> None:
+        """How far this process got (steps or rows), written at most every PROGRESS_EVERY_S."""
+        now = time.monotonic()
+        if now - self._progress_at >= self.PROGRESS_EVERY_S:
+            self._progress_at = now
+            self.state.note_progress(done)
 
     def restored(self, count: int, uri: str) -> None:
         earlier = describe_runs(self.state.engine_runs()[:-1])
@@ -73,7 +87,3 @@ class Job:
 
     def close(self) -> None:
         self.preemption.uninstall()
-
-
-def host_label() -> str:
-    return f"{os.uname().nodename}:{os.getpid()}"

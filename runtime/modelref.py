@@ -65,11 +65,17 @@ def read_safetensors_header(f: Path) -> bytes:
     return header
 
 
-def local_path(uri: str) -> Path | None:
-    """A local path for a URI, or None for a scheme this machine cannot read directly.
+def local_path(uri: str, kind: str = "weights") -> Path | None:
+    """A local path for a URI, or None for a scheme this machine cannot read.
 
-    The one place that knows about URI schemes; remote ones (s3://) are fetched elsewhere.
+    The one place that knows about URI schemes: s3:// prefixes are staged into the local
+    cache (downloaded once per ETag and size; see runtime/staging.py), `kind` naming the
+    cache ("weights", "adapters").
     """
+    if uri.startswith("s3://"):
+        from runtime.staging import stage
+
+        return stage(uri, kind)
     if uri.startswith("file://"):
         return Path(uri[len("file://") :]).expanduser()
     if "://" in uri:
@@ -102,7 +108,7 @@ def find_tag(tag: str, weights: str | None) -> Path:
         path = local_path(weights)
         if path is None:
             raise SpillpackError(
-                f"--weights {weights}: only local paths and file:// URIs can be read here",
+                f"--weights {weights}: only local paths, file:// and s3:// URIs can be read here",
                 f"--weights /path/to/{tag_dirname(tag)}",
             )
         if path.is_dir():

@@ -88,3 +88,16 @@ class Preemption:
         finally:
             self._in_step = False
             signal.setitimer(signal.ITIMER_REAL, 0)
+
+    @contextmanager
+    def setup(self):
+        """Loading a model and restoring state: nothing new to save yet, so a stop request
+        (now or already pending) abandons at once instead of waiting for a long load."""
+        if self.stop_requested:
+            raise Abandon()
+        saved, self.expected_step_s = self.expected_step_s, float("inf")
+        try:
+            with self.abandonable():
+                yield
+        finally:
+            self.expected_step_s = saved

@@ -6,6 +6,9 @@ Layout:
     checkpoints/<seq>-<writer>/...    a checkpoint's files (tensors, cursor)
     segments/<seq>-<writer>.jsonl     a segment of finished rows
     history/<time>-<host>-<pid>-<n>.json   the job's life: opens, interruptions, checkpoints, resumes
+    invocation.json                   the resolved config of the newest run (what `spillpack resume` runs)
+    progress/<writer>.json            how far each process got, overwritten now and then: after a
+                                      hard kill, `spillpack status` tells how much work was repeated
 
 A checkpoint or segment exists only once its commit record does. Files written by a
 process that died before committing are never referenced and are ignored. Commit records
@@ -164,6 +167,36 @@ class JobState:
     def markers(self, kind: str) -> list[Commit]:
         return [c for c in self._commits() if c.kind == kind]
 
+    # -- the invocation, and progress beyond the last commit ----------------------------------
+
+    def save_invocation(self, config: dict) -> None:
+        self.store.write("invocation.json", orjson.dumps(config, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2))
+
+    def invocation(self) -> dict | None:
+        raw = self.store.read("invocation.json")
+        try:
+            return orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            return None
+
+    def note_progress(self, done: int) -> None:
+        """Not a commit: only a hint of how far this process got, for the history's story."""
+        record = {"writer": self.writer, "pid": os.getpid(), "host": self.host, "done": done, "time": round(time.time(), 3)}
+        try:
+            self.store.write(f"progress/{self.writer}.json", orjson.dumps(record))
+        except Exception:
+            pass  # a hint must never fail the job
+
+    def progress(self) -> dict[str, dict]:
+        out = {}
+        for key in self.store.list("progress/"):
+            try:
+                r = orjson.loads(self.store.read(key) or b"")
+                out[r["writer"]] = r
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                continue
+        return out
+
     # -- history ---------------------------------------------------------------------------
 
     def log(self, what: str, **fields) -> None:
@@ -172,11 +205,7 @@ class JobState:
         record = {"what": what, "time": round(now, 3), "host": self.host, "pid": os.getpid(), "engine": self.engine,
                   "writer": self.writer, **fields}
         key = f"history/{int(now * 1e6):017d}-{self.writer}-{self._history_n:05d}.json"
-        try:
-            self.store.write(key, orjson.dumps(record))
-        except Exception:
-            if what not in ("interrupted",):
-                raise
+        self.store.write(key, orjson.dumps(record))
 
     def history(self) -> list[dict]:
         out = []

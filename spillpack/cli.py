@@ -5,7 +5,7 @@ import sys
 from runtime.cli import main as runtime_main
 
 LAPTOP_COMMANDS = {
-
+    "models": ("spillpack.commands.models", "the model tags spillpack knows and the models on this machine"),
 }
 
 

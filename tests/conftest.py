@@ -43,10 +43,6 @@ def home(tmp_path, tiny_home, monkeypatch) -> Path:
     return h
 
 
-def spillpack_cmd() -> list[str]:
-    return [sys.executable, "-m", "runtime"]
-
-
 def run_cli(args, env=None, timeout=300, **kw) -> subprocess.CompletedProcess:
     """Run the CLI as a user does: a subprocess, headless JSON lines on stdout."""
     full_env = {**os.environ, "SPILLPACK_HEADLESS": "1", **(env or {})}

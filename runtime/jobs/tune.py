@@ -95,16 +95,20 @@ def main(inv, events) -> int:
         **{k: o[k] for k in ("rank", "alpha", "targets", "dropout", "lr", "schedule", "warmup", "weight_decay",
                              "batch", "grad_accum", "max_seq", "seed")},
     }
-    job = Job.open("tune", o["name"], o, identity, events)
+    job = Job.open("tune", o["name"], o, identity, events, invocation=inv.to_config())
     engine = get_engine(job.engine_name)
-    session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]))
-    session.pad_id = tokenizer.pad_token_id or 0
-
     step, losses = 0, []
     latest = job.state.latest_checkpoint()
+    try:
+        with job.preemption.setup():
+            session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]))
+            session.pad_id = tokenizer.pad_token_id or 0
+            if latest is not None:
+                meta = orjson.loads(job.state.read_file(latest, CHECKPOINT_META))
+                session.load(st_load(job.state.read_file(latest, CHECKPOINT_TENSORS)), latest.step)
+    except Abandon:
+        return job.preempted(latest.step if latest else 0, abandoned_quantum=True)
     if latest is not None:
-        meta = orjson.loads(job.state.read_file(latest, CHECKPOINT_META))
-        session.load(st_load(job.state.read_file(latest, CHECKPOINT_TENSORS)), latest.step)
         step, losses = latest.step, meta["losses"]
         job.restored(step, job.state.store.child_uri(f"commits/{latest.seq:08d}.json"))
     committed = step
@@ -150,6 +154,7 @@ def main(inv, events) -> int:
             step += 1
             loss = loss_sum / n_targets
             losses.append(loss)
+            job.progress(step)
             dt = time.perf_counter() - t0
             step_times.append(dt)
             recent = step_times[-10:]

@@ -1,0 +1,199 @@
+"""`spillpack build FOLDER`: eval the student, distill the teacher (when prompts.jsonl exists),
+tune the student on train.jsonl plus the distilled data, eval the tuned student; a table of scores.
+
+Each stage is the ordinary job (runtime/jobs/eval.py, distill.py, tune.py, called through their
+`main`) with its own state under the build's state at stages/<stage>, so it resumes exactly as
+it would alone. A finished stage leaves a "stage" marker with its score in the build's state;
+a rerun skips marked stages and continues the interrupted one at its row or step.
+--stop-after STAGE stops cleanly after that stage, STAGE:N after N rows or steps of it.
+"""
+
+import importlib
+
+import orjson
+
+from ..config import Invocation, resolve
+from ..data import read_bytes, sha256
+from ..errors import EXIT_OK, SpillpackError
+from ..jobcore import Job
+from ..modelref import local_path
+from ..rowjob import RESULTS
+
+STAGES = ("eval-base", "distill", "tune", "eval-tuned")
+STAGE_MARKER = "stage"
+TUNE_DATA = "data/tune.jsonl"
+
+
+def finish_invocation(inv) -> None:
+    if not inv.options.get("name"):
+        inv.options["name"] = "build-" + (str(inv.arguments["folder"]).rstrip("/").rsplit("/", 1)[-1] or "folder")
+
+
+class StageEvents:
+    """The build's event stream as a stage job sees it: its start and done become `stage`
+    events (the build has one start and one done), everything else passes through tagged."""
+
+    def __init__(self, parent, stage: str):
+        self.parent, self.stage = parent, stage
+
+    headless = property(lambda self: self.parent.headless)
+    command = property(lambda self: self.parent.command, lambda self, v: None)
+    engine = property(lambda self: self.parent.engine, lambda self, v: setattr(self.parent, "engine", v))
+
+    def emit(self, event: str, **fields) -> dict:
+        if event in ("start", "done"):
+            return self.parent.emit("stage", stage=self.stage, status=event, **fields)
+        return self.parent.emit(event, stage=self.stage, **fields)
+
+    def say(self, text: str) -> None:
+        self.parent.say(f"[{self.stage}] {text}")
+
+
+def _stop_point(value) -> tuple[str | None, int | None]:
+    if value is None:
+        return None, None
+    stage, _, n = str(value).partition(":")
+    if stage not in STAGES or (n and not n.isdigit()):
+        raise SpillpackError(f"--stop-after for build takes STAGE or STAGE:N with STAGE one of {', '.join(STAGES)}, not {value!r}",
+                             "spillpack build FOLDER --stop-after tune:10")
+    return stage, int(n) if n else None
+
+
+def _folder_files(folder: str) -> dict[str, bytes]:
+    base = str(folder).rstrip("/")
+    path = local_path(base)
+    if path is not None and not path.is_dir():
+        raise SpillpackError(f"build folder {folder} does not exist or is not a directory", f"ls {folder}")
+    files = {}
+    for name in ("evals.jsonl", "train.jsonl", "prompts.jsonl"):
+        try:
+            files[name] = read_bytes(f"{base}/{name}", name)
+        except SpillpackError:
+            if name == "evals.jsonl":
+                raise SpillpackError(f"build folder {folder} has no evals.jsonl (rows with \"expected\" answers to score the student)",
+                                     f"ls {folder}; see examples/data/evals.jsonl")
+    if "train.jsonl" not in files and "prompts.jsonl" not in files:
+        raise SpillpackError(f"build folder {folder} has neither train.jsonl nor prompts.jsonl: nothing to tune on",
+                             f"add train.jsonl (chat rows) or prompts.jsonl (for the teacher) to {folder}")
+    return files
+
+
+def main(inv, events) -> int:
+    a, o = inv.arguments, inv.options
+    stop_stage, stop_n = _stop_point(o.get("stop_after"))
+    folder = str(a["folder"]).rstrip("/")
+    files = _folder_files(folder)
+    stages = [s for s in STAGES if s != "distill" or "prompts.jsonl" in files]
+    if stop_stage is not None and stop_stage not in stages:
+        raise SpillpackError(f"this build has no {stop_stage} stage (no prompts.jsonl in {folder})", f"--stop-after {stages[-1]}")
+    identity = {"command": "build", **{f"{k}_sha256": sha256(v) for k, v in sorted(files.items())},
+                **{k: o[k] for k in ("student", "teacher", "teacher_adapter", "metric", "field", "max_tokens", "steps", "epochs",
+                                     "rank", "lr", "warmup", "targets", "seed")}}
+    job = Job.open("build", o["name"], o, identity, events, invocation=inv.to_config())
+    try:
+        return _run(job, inv, events, files, stages, stop_stage, stop_n)
+    except BaseException:
+        job.close()
+        raise
+
+
+def _run(job: Job, inv, events, files, stages, stop_stage, stop_n) -> int:
+    a, o = inv.arguments, inv.options
+    folder = str(a["folder"]).rstrip("/")
+    store = job.state.store
+    scores = {m.meta["stage"]: m.meta["score"] for m in job.state.markers(STAGE_MARKER)}
+    if scores:
+        job.restored(len(scores), job.state.uri)
+    events.emit("start", step=len(scores), job=o["name"], model=o["student"], placement=f"{job.engine_name}: {job.engine_reason}",
+                state=job.state.uri, estimated_seconds=None, stages=stages,
+                message=f"build {folder}: {' -> '.join(stages)} for {o['student']}"
+                        + (f" ({len(scores)} done before)" if scores else "") + f"; state at {job.state.uri}")
+    common = {"engine": o["engine"], "batch": o["batch"], "max_tokens": o["max_tokens"], "seed": o["seed"]}
+    plans = {
+        "eval-base": ("eval", {"model": o["student"], "evals": f"{folder}/evals.jsonl", "weights": o.get("weights"),
+                               "metric": o["metric"], "field": o.get("field"), **common}),
+        "distill": ("distill", {"teacher": o.get("teacher") or o["student"], "prompts": f"{folder}/prompts.jsonl",
+                                "adapter": o.get("teacher_adapter"), **common}),
+        "tune": ("tune", {"model": o["student"], "data": store.child_uri(TUNE_DATA), "weights": o.get("weights"),
+                          "engine": o["engine"], "seed": o["seed"], "steps": o.get("steps"), "epochs": o["epochs"],
+                          "rank": o["rank"], "lr": o["lr"], "warmup": o["warmup"], "targets": o["targets"]}),
+        "eval-tuned": ("eval", {"model": o["student"], "evals": f"{folder}/evals.jsonl", "weights": o.get("weights"),
+                                "adapter": store.child_uri("stages/tune/adapter"), "metric": o["metric"], "field": o.get("field"),
+                                **common}),
+    }
+    for stage in stages:
+        if stage in scores:
+            continue
+        if job.preemption.stop_requested:
+            return job.preempted(len(scores), abandoned_quantum=False)
+        if stage == "tune" and store.read(TUNE_DATA) is None:
+            store.write(TUNE_DATA, _tune_data(files, store))
+        command, given = plans[stage]
+        given = {**given, "state": store.child_uri(f"stages/{stage}"), "name": f"{o['name']}-{stage}",
+                 "stop_after": stop_n if stage == stop_stage else None}
+        arguments, options = resolve(command, {k: v for k, v in given.items()}, None)
+        sub = Invocation(command, arguments, options, headless=events.headless, debug=inv.debug)
+        module = importlib.import_module(f"runtime.jobs.{command}")
+        module.finish_invocation(sub)
+        # The stage's job installs its own handler over the build's while it runs.
+        code = module.main(sub, StageEvents(events, stage))
+        if code == 75:
+            return job.preempted(len(scores), abandoned_quantum=False)
+        if code != EXIT_OK:
+            return code
+        score = _score(stage, store)
+        if score is None:  # stopped early by STAGE:N
+            return job.done(len(scores), False, stages=scores, stopped_in=stage)
+        job.state.commit_marker(STAGE_MARKER, {"stage": stage, "score": score})
+        scores[stage] = score
+        events.emit("stage", stage=stage, status="scored", score=score)
+        if stage == stop_stage:
+            return job.done(len(scores), False, stages=scores)
+    events.say(table(scores))
+    return job.done(len(scores), True, stages=scores)
+
+
+def _tune_data(files: dict, store) -> bytes:
+    """train.jsonl followed by the distilled examples: the data tune reads, fixed once written."""
+    parts = []
+    if "train.jsonl" in files:
+        parts.append(files["train.jsonl"].rstrip(b"\n") + b"\n")
+    distilled = store.read(f"stages/distill/{RESULTS}")
+    if distilled:
+        parts.append(distilled)
+    data = b"".join(parts)
+    if not data.strip():
+        raise SpillpackError("nothing to tune on: train.jsonl is absent and the teacher's answers were all empty",
+                             "add train.jsonl, or a teacher that answers the prompts (--teacher, --teacher-adapter)")
+    return data
+
+
+def _score(stage: str, store) -> dict | None:
+    sub = f"stages/{stage}/"
+    if stage.startswith("eval") or stage == "distill":
+        if store.read(sub + RESULTS) is None:
+            return None
+        if stage == "distill":
+            examples = store.read(sub + RESULTS).count(b"\n")
+            return {"examples": examples}
+        s = orjson.loads(store.read(sub + "eval.json"))
+        return {"accuracy": s["accuracy"], "ci95": s["ci95"], "rows": s["rows"]}
+    log = store.read(sub + "adapter/train_log.jsonl")
+    if log is None:
+        return None
+    losses = [orjson.loads(line)["loss"] for line in log.splitlines() if line.strip()]
+    return {"steps": len(losses), "first_loss": round(losses[0], 6), "final_loss": round(losses[-1], 6)}
+
+
+def table(scores: dict) -> str:
+    def fmt(stage, s):
+        if "accuracy" in s:
+            return f"accuracy {s['accuracy']:.3f}  95% [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]  ({s['rows']} rows)"
+        if "examples" in s:
+            return f"{s['examples']} training examples"
+        return f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} in {s['steps']} steps"
+
+    lines = [f"{'stage':<11} score"] + [f"{k:<11} {fmt(k, v)}" for k, v in scores.items()]
+    if "eval-base" in scores and "eval-tuned" in scores:
+        lines.append(f"{'before':<11} {scores['eval-base']['accuracy']:.3f} -> after {scores['eval-tuned']['accuracy']:.3f}")
+    return "\n".join(lines)

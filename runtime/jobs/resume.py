@@ -1,0 +1,60 @@
+"""`spillpack resume FOLDER|URI [--state URI]`: continue an interrupted job from what it left behind.
+
+FOLDER|URI is a job's state (it holds invocation.json, the resolved config of its newest run),
+a bundle folder (files/job.json; run from inside the folder, where its paths point) or a
+config file. --state names the state when it is not the first argument, or moves the job
+to another state.
+"""
+
+import importlib
+import os
+from pathlib import Path
+
+import orjson
+
+from ..config import Invocation, check_config, read_config, resolve
+from ..errors import SpillpackError
+from ..modelref import local_path
+from ..store import open_store
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("target", metavar="FOLDER|URI", help="a job's state, a bundle folder or a config file")
+    parser.add_argument("--state", metavar="URI", help="the state to continue (default: the one FOLDER|URI names)")
+
+
+def find_config(target: str, state: str | None) -> tuple[dict, Path | None]:
+    """(config, folder to run in) for the job that `target` names."""
+    for uri in filter(None, (state, target)):
+        try:
+            raw = open_store(uri).read("invocation.json")
+        except SpillpackError:
+            raw = None
+        if raw:
+            try:
+                return check_config(orjson.loads(raw), f"{uri}/invocation.json"), None
+            except orjson.JSONDecodeError:
+                raise SpillpackError(f"{uri}/invocation.json is damaged", f"spillpack <command> ... --state {uri}")
+    path = local_path(target)
+    if path is not None and (path / "files" / "job.json").is_file():
+        return read_config(str(path / "files" / "job.json")), path
+    if path is not None and path.is_file():
+        return read_config(str(path)), None
+    raise SpillpackError(f"{target} is neither a job's state (no invocation.json), a bundle folder nor a config file",
+                         f"spillpack status {target}, or spillpack <command> ... --state {target}")
+
+
+def main(ns: dict, events) -> int:
+    config, folder = find_config(ns["target"], ns.get("state"))
+    command = config["command"]
+    given = {"state": ns["state"]} if ns.get("state") else {}
+    arguments, options = resolve(command, given, None, config=config)
+    inv = Invocation(command, arguments, options, headless=events.headless, debug=bool(ns.get("debug")))
+    events.command = command
+    job = importlib.import_module(f"runtime.jobs.{command}")
+    if hasattr(job, "finish_invocation"):
+        job.finish_invocation(inv)
+    if folder is not None:
+        os.chdir(folder)  # a bundle's paths are relative to the bundle
+    events.say(f"resuming {command} {options.get('name')} from {options.get('state') or 'its default state'}")
+    return job.main(inv, events)

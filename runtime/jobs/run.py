@@ -1,0 +1,21 @@
+"""`spillpack run`: batch inference over OpenAI batch JSONL; the output is OpenAI batch output JSONL,
+one line per input row in input order (runtime/rows.py has both shapes)."""
+
+import orjson
+
+from .. import rowjob
+from ..rowjob import Output, RowTask
+
+
+def finish_invocation(inv) -> None:
+    rowjob.finish_invocation(inv, "input")
+
+
+def _finish(rows, lines) -> Output:
+    failed = sum(1 for line in lines if line.get("error"))
+    data = b"".join(orjson.dumps(line) + b"\n" for line in lines)
+    return Output(data, {"failed_rows": failed}, {}, f"{len(lines)} rows, {failed} failed")
+
+
+def main(inv, events) -> int:
+    return rowjob.run_rows(inv, events, RowTask("run", "model", "input", _finish))

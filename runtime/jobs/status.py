@@ -1,0 +1,96 @@
+"""`spillpack status URI`: the story of a job, told from its state's history.
+
+Each process that ran it (host, engine), what it restored, its checkpoints with their
+seconds, and how it ended: done, stopped by --stop-after, interrupted by a signal, or
+nothing at all. A process that left no end record although a later one took over was hard
+killed (SIGKILL, out of memory, a lost machine): the work it did after its last commit was
+repeated, and its progress hint (state.note_progress) says about how much.
+"""
+
+import datetime
+
+from ..errors import SpillpackError
+from ..state import JobState
+from ..store import open_store
+
+END = ("done", "stopped", "interrupted")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("uri", metavar="URI", help="a job's state: a path, file:// or s3:// URI")
+
+
+def _when(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def story(state: JobState) -> dict:
+    invocation = state.invocation() or {}
+    command = invocation.get("command")
+    unit = "step" if command == "tune" else "row" if command in ("run", "eval", "distill") else "step"
+    history = state.history()
+    progress = state.progress()
+    writers: list[str] = []
+    for r in history:
+        if r.get("writer") not in writers:
+            writers.append(r.get("writer"))
+    lines, processes = [], []
+    for n, w in enumerate(writers):
+        recs = [r for r in history if r.get("writer") == w]
+        first = recs[0]
+        proc = {"writer": w, "host": first.get("host"), "pid": first.get("pid"), "engine": first.get("engine"),
+                "started": first["time"], "resumed_from": None, "checkpoints": [], "end": None, "hard_killed": False}
+        lines.append(f"process {n + 1}: {first.get('host')} pid {first.get('pid')}, engine {first.get('engine')}, "
+                     f"started {_when(first['time'])}")
+        done = 0  # steps or rows committed so far, as this process saw it
+        for r in recs:
+            what = r["what"]
+            if what == "resume":
+                done = r.get("step") or 0
+                proc["resumed_from"] = {"uri": r.get("uri"), unit: done}
+                lines.append(f"  resumed from {r.get('uri')} at {unit} {done}")
+            elif what == "checkpoint":
+                done = r["step"] if "step" in r else done + (r.get("rows") or 0)
+                proc["checkpoints"].append({unit: done, "seconds": r.get("seconds"), "uri": r.get("uri")})
+                lines.append(f"  checkpoint at {unit} {done} in {r.get('seconds')}s")
+            elif what == "interrupted":
+                proc["end"] = {"what": "interrupted", "signal": r.get("signal"), unit: r.get("step")}
+                lines.append(f"  interrupted by {r.get('signal')} at {unit} {r.get('step')}"
+                             + (" (the step in flight was abandoned)" if r.get("abandoned_quantum") else ""))
+            elif what in ("done", "stopped"):
+                proc["end"] = {"what": what, unit: r.get("step")}
+                lines.append(f"  {'finished' if what == 'done' else 'stopped by --stop-after'} at {unit} {r.get('step')}")
+        if proc["end"] is None:
+            later = n + 1 < len(writers)
+            reached = (progress.get(w) or {}).get("done")
+            if later:
+                proc["hard_killed"] = True
+                proc["repeated"] = max(0, (reached or done) - done)
+                lines.append(f"  HARD KILL: no interruption record (SIGKILL, out of memory or a lost machine); "
+                             f"last commit at {unit} {done}, reached about {unit} {reached if reached is not None else done}: "
+                             f"{proc['repeated']} {unit}s repeated by the next process")
+            else:
+                lines.append(f"  no end record yet: running, or killed after {unit} {reached if reached is not None else done}")
+        processes.append(proc)
+    return {"uri": state.uri, "command": command, "name": (invocation.get("options") or {}).get("name"),
+            "processes": processes, "story": lines}
+
+
+def main(ns: dict, events) -> int:
+    store = open_store(ns["uri"])
+    if store.read("job.json") is None:
+        raise SpillpackError(f"{ns['uri']} holds no job state (no job.json)", "spillpack status <the job's --state URI>")
+    told = [story(JobState(store, {}))]
+    for key in sorted({k.split("/")[1] for k in store.list("stages/") if k.count("/") >= 2}):
+        sub = open_store(store.child_uri(f"stages/{key}"))
+        if sub.read("job.json") is not None:
+            told.append({**story(JobState(sub, {})), "stage": key})
+    if events.headless:
+        events.emit("status", **told[0], stages=told[1:])
+        return 0
+    for t in told:
+        head = f"stage {t['stage']}: " if t.get("stage") else ""
+        print(f"{head}{t['command'] or 'job'} {t['name'] or ''} at {t['uri']}")
+        for line in t["story"]:
+            print(("  " if head else "") + line)
+    return 0

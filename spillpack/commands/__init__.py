@@ -1,0 +1,1 @@
+"""One module per laptop-only subcommand: add_arguments(parser) and main(ns, events) -> exit code."""

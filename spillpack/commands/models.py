@@ -1,0 +1,40 @@
+"""`spillpack models`: the tags spillpack knows, and the models on this machine."""
+
+import json
+
+from runtime.modelref import TAGS, tag_dirname
+from runtime.paths import spillpack_home
+
+
+def add_arguments(p) -> None:
+    pass
+
+
+def rows() -> list[dict]:
+    models = spillpack_home() / "models"
+    out = [{"name": "tiny", "arch": "qwen2", "source": "built in, created on first use",
+            "here": str(models / "tiny") if (models / "tiny" / "config.json").exists() else None}]
+    for tag, t in TAGS.items():
+        local = models / tag_dirname(tag)
+        out.append({"name": tag, "arch": t.arch, "source": f"--weights URI holding {t.hf_repo}",
+                    "here": str(local) if (local / "config.json").exists() else None})
+    known = {tag_dirname(r["name"]) for r in out}
+    if models.is_dir():
+        for d in sorted(models.iterdir()):
+            if d.name not in known and (d / "config.json").exists():
+                arch = json.loads((d / "config.json").read_text()).get("model_type")
+                out.append({"name": str(d), "arch": arch, "source": "a local directory", "here": str(d)})
+    return out
+
+
+def main(ns: dict, events) -> int:
+    table = rows()
+    if events.headless:
+        for r in table:
+            events.out.write(json.dumps(r) + "\n")
+        return 0
+    width = max(len(r["name"]) for r in table)
+    for r in table:
+        where = r["here"] or "not on this machine"
+        print(f"{r['name']:<{width}}  {r['arch']:<6}  {where}  ({r['source']})")
+    return 0

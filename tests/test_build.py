@@ -1,0 +1,76 @@
+"""`spillpack build`: stages, stops and reruns, bad folders, and that the example task is learned."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import REPO, events_of, run_cli
+
+DATA = REPO / "examples/data"
+
+
+def small_folder(path, evals=6, train=16, prompts=4):
+    path.mkdir()
+    for name, n in (("evals.jsonl", evals), ("train.jsonl", train), ("prompts.jsonl", prompts)):
+        if n:
+            (path / name).write_text("".join((DATA / name).read_text().splitlines(True)[:n]))
+    return path
+
+
+def build(folder, state, *extra, timeout=300):
+    r = run_cli(["build", str(folder), "--state", str(state), *extra], timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return events_of(r.stdout)
+
+
+def test_bad_folders_give_one_line(home, tmp_path):
+    no_evals = small_folder(tmp_path / "f", evals=0)
+    r = run_cli(["build", str(no_evals), "--state", str(tmp_path / "s")])
+    assert r.returncode == 1 and "no evals.jsonl" in r.stderr and "Traceback" not in r.stderr
+    only_evals = small_folder(tmp_path / "g", train=0, prompts=0)
+    r = run_cli(["build", str(only_evals)])
+    assert r.returncode == 1 and "neither train.jsonl nor prompts.jsonl" in r.stderr
+    r = run_cli(["build", str(no_evals), "--stop-after", "bogus:3"])
+    assert r.returncode == 1 and "STAGE" in r.stderr
+
+
+@pytest.mark.slow
+def test_build_stopped_in_every_stage_ends_like_an_uninterrupted_one(home, tmp_path):
+    folder = small_folder(tmp_path / "f")
+    opts = ["--steps", "4", "--max-tokens", "4", "--batch", "2"]
+    whole = build(folder, tmp_path / "whole", *opts)[-1]
+    assert whole["complete"] and set(whole["stages"]) == {"eval-base", "distill", "tune", "eval-tuned"}
+
+    state = tmp_path / "stopped"
+    for stop in ("eval-base:3", "distill:2", "tune:2", "tune", "eval-tuned:2"):
+        done = build(folder, state, *opts, "--stop-after", stop)[-1]
+        assert done["event"] == "done" and not done["complete"]
+    evs = build(folder, state, *opts)
+    assert any(e["event"] == "restore" for e in evs)
+    restored = [e["step"] for e in evs if e["event"] == "restore" and e.get("stage") == "eval-tuned"]
+    assert restored and restored[0] >= 2
+    assert sum(e["event"] == "row" for e in evs) == 6 - restored[0]  # only the rest of eval-tuned ran
+    assert evs[-1]["complete"] and evs[-1]["stages"] == whole["stages"]
+
+
+@pytest.mark.slow
+def test_example_task_is_learned_and_distilled(home, tmp_path):
+    """The tiny model learns the example task in a build, and a tuned teacher's answers,
+    distilled into the untuned student, beat the untuned student."""
+    folder = tmp_path / "task"
+    folder.mkdir()
+    for name in ("evals.jsonl", "train.jsonl"):
+        shutil.copy(DATA / name, folder / name)
+    done = build(folder, tmp_path / "b1", timeout=1800)[-1]
+    before, after = done["stages"]["eval-base"]["accuracy"], done["stages"]["eval-tuned"]["accuracy"]
+    assert after >= before + 0.4, (before, after)
+
+    distill_folder = tmp_path / "distill"
+    distill_folder.mkdir()
+    for name in ("evals.jsonl", "prompts.jsonl"):
+        shutil.copy(DATA / name, distill_folder / name)
+    teacher = str(tmp_path / "b1/stages/tune/adapter")
+    d = build(distill_folder, tmp_path / "b2", "--teacher-adapter", teacher, timeout=1800)[-1]
+    assert d["stages"]["distill"]["examples"] > 0
+    assert d["stages"]["eval-tuned"]["accuracy"] >= d["stages"]["eval-base"]["accuracy"] + 0.3, d["stages"]

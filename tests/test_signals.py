@@ -1,0 +1,78 @@
+"""The preemption handler with real signals sent to this process."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from runtime.signals import Abandon, Preemption
+
+
+@pytest.fixture
+def pre():
+    p = Preemption(promise_s=3.0, reserve_s=1.0).install()
+    yield p
+    p.uninstall()
+
+
+def busy(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_step_that_fits_is_finished(pre):
+    pre.expected_step_s = 0.2
+    with pre.abandonable():
+        os.kill(os.getpid(), signal.SIGTERM)
+        busy(0.3)
+    assert pre.stop_requested and pre.signal_name == "SIGTERM"
+
+
+def test_step_too_long_for_the_promise_is_abandoned_at_once(pre):
+    pre.expected_step_s = 60.0
+    t0 = time.monotonic()
+    with pytest.raises(Abandon):
+        with pre.abandonable():
+            os.kill(os.getpid(), signal.SIGTERM)
+            busy(5)
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_step_that_overruns_its_estimate_is_abandoned_by_the_alarm(pre):
+    pre.expected_step_s = 0.1  # it claims to be short, then runs on
+    t0 = time.monotonic()
+    with pytest.raises(Abandon):
+        with pre.abandonable():
+            os.kill(os.getpid(), signal.SIGTERM)
+            busy(10)
+    # promise 3 s minus the 1 s reserve for the commit
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_second_signal_abandons_at_once(pre):
+    pre.expected_step_s = 0.5
+    with pytest.raises(Abandon):
+        with pre.abandonable():
+            os.kill(os.getpid(), signal.SIGINT)
+            busy(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)
+            busy(5)
+    assert pre.signal_name == "SIGINT" and pre.count == 2
+
+
+def test_outside_a_step_a_signal_only_asks(pre):
+    os.kill(os.getpid(), signal.SIGTERM)
+    busy(0.05)
+    assert pre.stop_requested
+    with pytest.raises(Abandon):
+        with pre.setup():  # a pending request abandons loading at once
+            busy(1)
+
+
+def test_setup_abandons_when_the_signal_comes_during_loading(pre):
+    with pytest.raises(Abandon):
+        with pre.setup():
+            os.kill(os.getpid(), signal.SIGTERM)
+            busy(5)
