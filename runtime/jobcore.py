@@ -13,7 +13,7 @@ from .events import Events
 from .hardware import choose_engine
 from .paths import spillpack_home
 from .signals import Preemption
-from .state import JobState, describe_runs
+from .state import JobState
 from .store import open_store
 
 
@@ -63,9 +63,7 @@ class Job:
             self.state.note_progress(done)
 
     def restored(self, count: int, uri: str) -> None:
-        earlier = describe_runs(self.state.engine_runs()[:-1])
         self.events.emit("restore", step=count, uri=uri)
-        self.events.say(f"resuming at {count} on {self.engine_name}; so far: {earlier}")
         self.state.log("resume", step=count, uri=uri)
 
     def checkpointed(self, step: int, uri: str, seconds: float, **fields) -> None:

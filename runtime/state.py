@@ -217,37 +217,6 @@ class JobState:
                 continue
         return sorted(out, key=lambda r: r["time"])
 
-    def engine_runs(self) -> list[dict]:
-        """Which engine ran which steps (or rows): one entry per process that opened the state,
-        {engine, host, pid, time, from, to, end}, from its history records, in order."""
-        return engine_runs(self.history())
-
-
-def engine_runs(history: list[dict]) -> list[dict]:
-    runs: dict[str, dict] = {}
-    for r in history:
-        run = runs.get(r.get("writer"))
-        if r["what"] == "open":
-            runs[r.get("writer")] = {"engine": r.get("engine"), "host": r.get("host"), "pid": r.get("pid"),
-                                     "time": r["time"], "from": 0, "to": 0, "end": None}
-            continue
-        if run is None:
-            continue
-        if r["what"] == "resume":
-            run["from"] = run["to"] = r.get("step", 0)
-        elif r["what"] == "checkpoint" and "rows" in r:
-            run["to"] += r["rows"]  # a row segment counts its own rows
-        elif r.get("step") is not None and r["what"] in ("checkpoint", "interrupted", "done", "stopped"):
-            run["to"] = r["step"]
-        if r["what"] in ("interrupted", "done", "stopped"):
-            run["end"] = r["what"]
-    return list(runs.values())
-
-
-def describe_runs(runs: list[dict]) -> str:
-    """`steps 0-6 on torch-cpu (stopped), 6-12 on mlx (done)`: the history line status and resume print."""
-    return ", ".join(f"{r['from']}-{r['to']} on {r['engine']}" + (f" ({r['end']})" if r["end"] else "") for r in runs)
-
 
 def _short(value) -> str:
     text = repr(value)
