@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD SPILLPACK_HOME=${SPILLPACK_HOME:-$(mktemp -d)/home} SPILLPACK_HEADLESS=1
+mkdir -p "$SPILLPACK_HOME"
 $PY -c 'import torch, safetensors, tokenizers, orjson, psutil, numpy, jinja2; assert torch.cuda.is_available(), "no CUDA"; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
 T0=$SECONDS
 
