@@ -1,6 +1,6 @@
 """Tune and generation tokens/s for each engine usable on this machine, side by side.
 
-    python benchmarks/bench_engines.py                 # tiny and a 25M-parameter random Qwen2
+    python benchmarks/bench_engines.py                 # tiny and a 23M-parameter random Qwen2
     python benchmarks/bench_engines.py --model DIR     # any HF directory (e.g. Qwen2.5-0.5B)
 
 Every engine runs the same work through the engine interface the jobs use: LoRA (rank 16 on
@@ -34,7 +34,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def make_small(out: Path) -> Path:
-    """A random Qwen2 of ~25M parameters with tiny's tokenizer: big enough that compute, not
+    """A random Qwen2 of ~23M parameters with tiny's tokenizer: big enough that compute, not
     Python overhead, sets the rate."""
     from safetensors.numpy import save_file
 
@@ -120,7 +120,7 @@ def main() -> None:
         engine = get_engine(name)
         for m in models:
             md = resolve_model(m)
-            label = "small (25M, random)" if Path(m).name == "small" else Path(m).name
+            label = "small (23M, random)" if Path(m).name == "small" else Path(m).name
             tune = bench_tune(engine, md, args.steps, args.batch, args.seq)
             gen = bench_generate(engine, md, Tokenizer.from_dir(md.path), args.slots, args.requests, 32, args.max_tokens)
             rows.append({"engine": name, "model": label, "tune_tokens_per_s": round(tune, 1),
