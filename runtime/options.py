@@ -110,7 +110,7 @@ DISTILL = (
 BUILD = (
     Opt("folder", positional=True, help="a folder with evals.jsonl and train.jsonl and/or prompts.jsonl"),
     Opt("student", "tiny", help="the model that is evaluated and tuned"),
-    Opt("teacher", None, help="the teacher for prompts.jsonl (default: the student)"),
+    Opt("teacher", None, help="the teacher that answers prompts.jsonl (distill runs only with a teacher or --teacher-adapter)"),
     Opt("teacher_adapter", None, help="a LoRA adapter the teacher answers with", metavar="URI"),
     Opt("metric", "exact_match", choices=("exact_match", "contains", "regex", "json_field"), help="how eval answers are scored"),
     Opt("field", None, help="the JSON field compared by --metric json_field"),
