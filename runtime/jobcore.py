@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from .errors import EXIT_OK, EXIT_PREEMPTED
 from .events import Events
 from .hardware import choose_engine
+from .notices import NoticeWatcher, start_watcher
 from .paths import spillpack_home
 from .signals import Preemption
 from .state import JobState
@@ -33,6 +34,7 @@ class Job:
     engine_reason: str
     state: JobState
     preemption: Preemption
+    notices: NoticeWatcher
     t0: float = field(default_factory=time.monotonic)
 
     @classmethod
@@ -43,7 +45,8 @@ class Job:
         state = JobState(open_store(uri), identity, engine=engine_name)
         state.open()
         preemption = Preemption().install()
-        return cls(command, name, events, engine_name, reason, state, preemption)
+        notices = start_watcher(options.get("preemption_notice"), preemption)
+        return cls(command, name, events, engine_name, reason, state, preemption, notices)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -70,6 +73,7 @@ class Job:
         return EXIT_OK
 
     def close(self) -> None:
+        self.notices.stop()
         self.preemption.uninstall()
 
 
