@@ -5,7 +5,7 @@ import sys
 from runtime.cli import main as runtime_main
 
 LAPTOP_COMMANDS = {
-
+    "pack": ("spillpack.pack.command", "pack a job into one directory that runs anywhere with ./run.sh"),
 }
 
 
