@@ -127,6 +127,10 @@ def _pid(d: Path, daemon: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     try:
+        os.waitpid(pid, os.WNOHANG)  # reap it if this process started it and it has ended
+    except ChildProcessError:
+        pass
+    try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return None
