@@ -146,3 +146,44 @@ def test_kubernetes_schema_refuses_an_unknown_field():
     doc["spec"]["template"]["spec"]["terminationGracePeriod"] = 60
     with pytest.raises(kv.ValidationError):
         kv.validate(doc, K8S_VERSIONS[0], strict=True)
+
+
+# -- spillpack pack --scheduler -----------------------------------------------------------
+
+@pytest.mark.slow
+def test_pack_writes_each_schedulers_file_beside_the_bundle(home, tmp_path):
+    from tests.conftest import run_cli
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join((REPO / "examples/data/train.jsonl").read_text().splitlines()[:8]) + "\n")
+    out = tmp_path / "out"
+    r = run_cli(["pack", "tune", "tiny", str(data), "--steps", "2", "--name", "My_Job.v2", "--state", "s3://bkt/state/my-job",
+                 "-o", str(out / "job1"), "--scheduler", "skypilot", "--scheduler", "slurm", "--scheduler", "kubernetes"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["job1", "job1.k8s-cpu.yaml", "job1.k8s-cuda.yaml", "job1.k8s-pvc.yaml", "job1.sbatch", "job1.sky.yaml"]
+    assert all(f"wrote {out / n}" in r.stderr for n in names if n != "job1")
+
+    sky = yaml.safe_load((out / "job1.sky.yaml").read_text())
+    assert sky["name"] == "spillpack-my-job-v2" and sky["workdir"] == "./job1"
+    assert "s3://bkt/state/my-job" in (out / "job1.sky.yaml").read_text()
+    assert skypilot_problems(sky, sky_parse(out / "job1.sky.yaml"), "job1") == []
+
+    kv = pytest.importorskip("kubernetes_validate")
+    for n in ("job1.k8s-cpu.yaml", "job1.k8s-cuda.yaml", "job1.k8s-pvc.yaml"):
+        doc = yaml.safe_load((out / n).read_text())
+        kv.validate(doc, K8S_VERSIONS[0], strict=True)
+        assert kubernetes_problems(doc) == []
+    job = yaml.safe_load((out / "job1.k8s-cuda.yaml").read_text())
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["sh", "/work/job1/run.sh"]
+
+    sbatch = (out / "job1.sbatch").read_text()
+    assert "#SBATCH --job-name=spillpack-my-job-v2" in sbatch and "$SLURM_SUBMIT_DIR/job1" in sbatch
+    assert subprocess.run(["bash", "-n", str(out / "job1.sbatch")]).returncode == 0
+
+    # Never overwritten: a second pack naming the same files is refused before anything is written.
+    (out / "job1.sbatch").write_text("mine")
+    shutil.rmtree(out / "job1")
+    again = run_cli(["pack", "tune", "tiny", str(data), "--steps", "2", "-o", str(out / "job1"), "--scheduler", "slurm"])
+    assert again.returncode == 2 and "job1.sbatch already exists" in again.stderr
+    assert (out / "job1.sbatch").read_text() == "mine" and not (out / "job1").exists()
