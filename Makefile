@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: setup demo test test-fast bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)-sky/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,12 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash examples/demo.sh
+
+# SkyPilot's parser, for the scheduler example tests, in its own environment (see pyproject.toml).
+$(VENV)-sky/.installed: tests/requirements-skypilot.txt
+	$(PYTHON) -m venv $(VENV)-sky
+	$(VENV)-sky/bin/python -m pip install -q -r tests/requirements-skypilot.txt
+	touch $@
 
 test: setup
 	$(PY) -m pytest -q -ra
@@ -26,4 +32,4 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) out build *.egg-info
+	rm -rf $(VENV) $(VENV)-sky out build *.egg-info

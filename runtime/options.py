@@ -51,6 +51,8 @@ SHARED = (
     Opt("state", None, help="where the job keeps its state: a path, file:// or s3:// URI (default: SPILLPACK_HOME/jobs/NAME)", metavar="URI"),
     Opt("weights", None, help="where the model's weights are: a path, file:// or s3:// URI", metavar="URI"),
     Opt("engine", "auto", choices=ENGINES, help="mlx, torch-cuda or torch-cpu (default: chosen for this machine)"),
+    Opt("preemption_notice", "auto", choices=("auto", "aws", "gcp", "off"),
+        help="also stop (checkpoint, exit 75) on a cloud's spot notice in the instance metadata; auto finds AWS or GCP, if any"),
     Opt("stop_after", None, _stop_after, help="stop cleanly (exit 0) after N steps or rows", metavar="N"),
     Opt("headless", False, flag=True, in_config=False, help="JSON-line events on stdout (automatic when stdout is not a terminal)"),
     Opt("debug", False, flag=True, in_config=False, help="show tracebacks"),

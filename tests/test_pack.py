@@ -53,7 +53,8 @@ def pack(args, **kw):
 def clean_env(home: Path, extra=None) -> dict:
     """What a fresh cluster node gives a job: PATH with a python3 that has torch, HOME, SPILLPACK_HOME."""
     return {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": str(home.parent), "SPILLPACK_HOME": str(home),
-            "TMPDIR": str(home.parent / "tmp"), **(extra or {})}
+            "TMPDIR": str(home.parent / "tmp"), "SPILLPACK_METADATA_URL": os.environ["SPILLPACK_METADATA_URL"],
+            **(extra or {})}
 
 
 def run_bundle(bundle: Path, args=(), env=None, cwd="/", **kw):

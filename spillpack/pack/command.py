@@ -18,6 +18,7 @@ from runtime.config import read_config
 from runtime.errors import SpillpackError, UsageError
 from runtime.options import JOB_COMMANDS
 
+from .. import schedulers
 from . import inputs, wheels, zipapp
 from .bundle import RUN_SH, Writer
 
@@ -33,6 +34,8 @@ def _pack_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--python", metavar="3.X", help="the target's Python (default: this one's)")
     p.add_argument("--with-torch", choices=("cpu", "cuda"), help="also carry torch as wheels, installed on first start")
     p.add_argument("--include-weights", action="store_true", help="also bundle local model weights")
+    p.add_argument("--scheduler", action="append", choices=schedulers.KINDS,
+                   help="also write the job's file for skypilot, slurm or kubernetes beside the bundle (repeatable)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +53,7 @@ def split_args(ns: dict) -> tuple[dict, list[str]]:
     later, rest = p.parse_known_args(ns.get("job") or [])
     merged = dict(ns)
     for k, v in vars(later).items():
-        if k == "platform":
+        if k in ("platform", "scheduler"):
             merged[k] = (ns.get(k) or []) + (v or [])
         elif v not in (None, False):
             merged[k] = v
@@ -113,6 +116,11 @@ def main(ns: dict, events) -> int:
     out = Path(ns["output"]).expanduser().absolute()
     if out.exists():
         raise UsageError(f"{ns['output']} already exists; pack never overwrites", f"spillpack pack ... -o {ns['output']}-2, or rm -r {ns['output']}")
+    kinds = sorted(set(ns.get("scheduler") or []))
+    for kind in kinds:
+        for fname in schedulers.file_names(kind, out.name).values():
+            if (out.parent / fname).exists():
+                raise UsageError(f"{out.parent / fname} already exists; pack never overwrites", f"spillpack pack ... -o {ns['output']}-2")
     inv = job_invocation(rest)
     python = _python(ns.get("python"))
     platforms = sorted({wheels.check_tag(t) for t in ns.get("platform") or [wheels.host_tag()]})
@@ -158,6 +166,15 @@ def main(ns: dict, events) -> int:
         total = sum(e["size"] for e in w.entries.values())
         w.finish(manifest)
 
+    sched_files = []
+    if kinds:
+        values = schedulers.values_for(config, out, python, bool(torch))
+        for kind in kinds:
+            sched_files += schedulers.write(kind, values, out.parent)
+        if not values.s3:
+            events.say(f"note: the state {values.state} is a path; on a cluster it must be on storage every node "
+                       "and every retry sees (a shared file system, the pod's volume), or use --state s3://...")
+
     n_data = len(plan.files)
     deps = ", ".join(carries["common"] + sorted({d for t in platforms for d in carries[t]}))
     torch_note = f"torch ({ns['with_torch']}) as wheels, installed on first start" if torch else "torch from the target's Python"
@@ -169,6 +186,9 @@ def main(ns: dict, events) -> int:
         events.say(f"note: {item} is not in the bundle and must exist on the target (pack with --include-weights to carry it)")
     if events.headless:
         events.emit("done", complete=True, stopped_early=False, out=str(out), data_files=n_data, bytes=total,
-                    platforms=platforms, python=python, run=str(out / "run.sh"))
+                    platforms=platforms, python=python, run=str(out / "run.sh"),
+                    scheduler_files=[str(p) for p in sched_files])
     events.say(line)
+    for path in sched_files:
+        events.say(f"wrote {path}")
     return 0
