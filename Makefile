@@ -9,11 +9,10 @@ setup: $(VENV)/.installed $(VENV)-sky/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-demo: setup
+demo: $(VENV)/.installed
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash examples/demo.sh
 
 # SkyPilot's parser, for the scheduler example tests, in its own environment (see pyproject.toml).
