@@ -7,17 +7,26 @@ import sys
 import orjson
 
 from . import __version__
-from .hardware import ENGINE_NAMES, choose_engine, disk_free_gb, memory_gb, probe
+from .hardware import ENGINE_NAMES, choose_engine, disk_free_gb, measure, memory_gb, probe
 from .paths import spillpack_home
 
 
 def add_arguments(p):
     p.add_argument("--engine", default="auto", help="check the choice as a job with this --engine would make it")
+    p.add_argument("--no-measure", action="store_true", help="skip the short matmul and memory-bandwidth measurement")
 
 
-def report(engine: str = "auto") -> dict:
+def report(engine: str = "auto", measure_rates: bool = True) -> dict:
     total, available = memory_gb()
     probes = [probe(n) for n in ENGINE_NAMES]
+    engines = {}
+    for p in probes:
+        engines[p.name] = {"usable": p.usable, "detail": p.detail}
+        if p.usable and measure_rates:
+            try:
+                engines[p.name].update(measure(p.name))
+            except Exception as e:  # usable by probe but failing to compute is worth saying, not crashing on
+                engines[p.name].update(usable=False, detail=f"{p.detail}; but a test matmul failed: {e}")
     try:
         chosen, why = choose_engine(engine)
     except Exception as e:
@@ -32,14 +41,14 @@ def report(engine: str = "auto") -> dict:
         "memory_available_gb": round(available, 1),
         "home": str(spillpack_home()),
         "disk_free_gb": round(disk_free_gb(), 1),
-        "engines": {p.name: {"usable": p.usable, "detail": p.detail} for p in probes},
+        "engines": engines,
         "engine": chosen,
         "engine_reason": why,
     }
 
 
 def main(ns: dict, events) -> int:
-    r = report(ns.get("engine", "auto"))
+    r = report(ns.get("engine", "auto"), not ns.get("no_measure"))
     if events.headless:
         events.out.write(orjson.dumps(r).decode() + "\n")
         return 0
@@ -51,7 +60,8 @@ def main(ns: dict, events) -> int:
     ]
     for name, e in r["engines"].items():
         mark = "*" if name == r["engine"] else ("+" if e["usable"] else "-")
-        lines.append(f"  {mark} {name:<11} {'usable' if e['usable'] else 'not usable'}: {e['detail']}")
+        rate = f" ({e['matmul_gflops']} GFLOP/s matmul, {e['mem_gbps']} GB/s memory)" if "matmul_gflops" in e else ""
+        lines.append(f"  {mark} {name:<11} {'usable' if e['usable'] else 'not usable'}: {e['detail']}{rate}")
     lines.append(f"a job here would use {r['engine']}: {r['engine_reason']}" if r["engine"] else f"no engine: {r['engine_reason']}")
     print("\n".join(lines))
     return 0

@@ -4,6 +4,11 @@ A fixed number of slots share one preallocated cache; each step advances every a
 by one token, and a finished slot takes the next pending request at once. Sampling draws from
 a per-request generator seeded from (seed, key), so a row's tokens do not depend on which
 rows shared its batch: a resumed job reproduces the rows it redoes.
+
+The scheduling here is engine-neutral; what touches the model is a decoder with three
+methods (`prefill(slot, ids) -> (V,) logits`, `decode(last_tokens, idle) -> (slots, V)`,
+`release(slot)`): `TorchDecoder` below, or the one a model provides with `make_decoder`
+(the MLX model does). Logits may be torch tensors or numpy arrays.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from runtime.errors import SpillpackError
@@ -53,7 +59,8 @@ def request_generator(seed: int, key: str) -> torch.Generator:
 def sample(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
     """One token from (V,) logits: argmax at temperature 0, else temperature + nucleus sampling."""
     if temperature == 0:
-        return int(logits.argmax())
+        return int(logits.argmax())  # the first maximum, in torch and numpy alike
+    logits = torch.as_tensor(np.asarray(logits)) if not isinstance(logits, torch.Tensor) else logits
     probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
@@ -64,13 +71,38 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Ge
     return int(torch.multinomial(probs, 1, generator=rng))
 
 
+class TorchDecoder:
+    """The torch half of generation: slot prefill and batched decode over one KV cache."""
+
+    def __init__(self, model, slots: int, max_len: int):
+        self.model = model
+        self.cache = model.make_cache(slots, max_len)
+        self.device = self.cache.k.device
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
+        self.cache.lengths[slot] = 0  # the slot's old keys are masked out, no need to clear them
+        ids = torch.tensor([prompt_ids], device=self.device)
+        return self.model.logits(self.model.hidden_states(ids, cache=self.cache.row(slot))[:, -1])[0]  # (V,)
+
+    @torch.inference_mode()
+    def decode(self, last: list[int], idle: list[bool]) -> torch.Tensor:
+        ids = torch.tensor(last, device=self.device)[:, None]  # (slots, 1)
+        logits = self.model(ids, cache=self.cache)[:, -1]  # (slots, V)
+        self.cache.lengths[torch.tensor(idle, device=self.device)] = 0
+        return logits
+
+    def release(self, slot: int) -> None:
+        self.cache.lengths[slot] = 0
+
+
 class Generator:
     def __init__(self, model, tokenizer, slots: int, max_len: int):
         assert slots >= 1 and max_len >= 2
-        self.model, self.tokenizer = model, tokenizer
+        self.tokenizer = tokenizer
         self.slots, self.max_len = slots, max_len
-        self.cache = model.make_cache(slots, max_len)
-        self.device = self.cache.k.device
+        make = getattr(model, "make_decoder", None)
+        self.decoder = make(slots, max_len) if make else TorchDecoder(model, slots, max_len)
         self.rows: list[_Row | None] = [None] * slots
         self.pending: deque[Request] = deque()
         self.eos = tokenizer.eos_token_ids
@@ -92,34 +124,27 @@ class Generator:
 
     def step(self) -> list[Result]:
         """Advance every active slot by one token; return the requests that finished."""
-        with torch.inference_mode():
-            finished: list[Result] = []
-            # Slots that are running now decode one token each...
-            running = [i for i, r in enumerate(self.rows) if r is not None]
-            if running:
-                self._decode(running, finished)
-            # ...and empty slots start pending requests, whose prefill yields their first token.
-            for i in range(self.slots):
-                while self.rows[i] is None and self.pending:
-                    self._prefill(i, self.pending.popleft(), finished)
-            return finished
+        finished: list[Result] = []
+        # Slots that are running now decode one token each...
+        running = [i for i, r in enumerate(self.rows) if r is not None]
+        if running:
+            self._decode(running, finished)
+        # ...and empty slots start pending requests, whose prefill yields their first token.
+        for i in range(self.slots):
+            while self.rows[i] is None and self.pending:
+                self._prefill(i, self.pending.popleft(), finished)
+        return finished
 
     def _prefill(self, slot: int, req: Request, finished: list[Result]) -> None:
-        self.cache.lengths[slot] = 0  # the slot's old keys are masked out, no need to clear them
-        ids = torch.tensor([req.prompt_ids], device=self.device)
-        logits = self.model.logits(self.model.hidden_states(ids, cache=self.cache.row(slot))[:, -1])  # (1, V)
-        row = _Row(req, request_generator(req.seed, req.key) if req.temperature > 0 else None)
-        self.rows[slot] = row
-        self._push(slot, logits[0], finished)
+        logits = self.decoder.prefill(slot, req.prompt_ids)  # (V,)
+        self.rows[slot] = _Row(req, request_generator(req.seed, req.key) if req.temperature > 0 else None)
+        self._push(slot, logits, finished)
 
     def _decode(self, running: list[int], finished: list[Result]) -> None:
         # All slots go through the model (idle ones on a dummy token at position 0) so the cache
-        # keeps its batch shape; idle slots are reset to empty afterwards.
+        # keeps its batch shape; the decoder resets idle slots to empty afterwards.
         last = [self.rows[i].tokens[-1] if self.rows[i] is not None else 0 for i in range(self.slots)]
-        ids = torch.tensor(last, device=self.device)[:, None]  # (slots, 1)
-        logits = self.model(ids, cache=self.cache)[:, -1]  # (slots, V)
-        idle = torch.tensor([r is None for r in self.rows], device=self.device)
-        self.cache.lengths[idle] = 0
+        logits = self.decoder.decode(last, [r is None for r in self.rows])  # (slots, V)
         for i in running:
             self._push(i, logits[i], finished)
 
@@ -137,7 +162,7 @@ class Generator:
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(row.tokens),
         ))
         self.rows[slot] = None
-        self.cache.lengths[slot] = 0
+        self.decoder.release(slot)
 
 
 def generate(model, tokenizer, prompts, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,

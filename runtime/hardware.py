@@ -57,6 +57,52 @@ def probe(name: str) -> EngineProbe:
     raise ValueError(name)
 
 
+def measure(name: str, seconds: float = 1.0) -> dict:
+    """A short measured rate of a usable engine: float32 matmul GFLOP/s and copy bandwidth GB/s
+    (bytes read + written), each the best of repeats within about seconds/2. The matmul grows
+    from 512 until one multiply takes a visible time, so a GPU is not measured on launch
+    overhead and a slow CPU build (mlx's on Linux) is not kept waiting."""
+    import time
+
+    if name == "mlx":
+        import mlx.core as mx
+
+        def ops(n, mb):
+            a, buf = mx.random.normal((n, n)), mx.zeros((mb * 2**18,))
+            mx.eval(a, buf)
+            return (lambda: mx.eval(a @ a)), (lambda: mx.eval(buf * 1))
+    else:
+        import torch
+
+        dev = "cuda" if name == "torch-cuda" else "cpu"
+        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+
+        def ops(n, mb):
+            a, buf = torch.randn(n, n, device=dev), torch.zeros(mb * 2**18, device=dev)
+            out = torch.empty_like(buf)
+            return (lambda: (torch.mm(a, a), sync())), (lambda: (out.copy_(buf), sync()))
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def best(fn) -> float:
+        fn()  # warm-up: allocation, kernel choice
+        times, t_end = [], time.perf_counter() + seconds / 2
+        while not times or (time.perf_counter() < t_end and len(times) < 100):
+            times.append(timed(fn))
+        return min(times)
+
+    mb = 256 if name == "torch-cuda" else 64
+    for n in (512, 1024, 2048, 4096):
+        matmul, copy = ops(n, mb)
+        matmul()
+        if timed(matmul) > seconds / 20:
+            break
+    return {"matmul_gflops": round(2 * n**3 / best(matmul) / 1e9, 1), "mem_gbps": round(2 * mb * 2**20 / best(copy) / 1e9, 1)}
+
+
 def choose_engine(requested: str | None = "auto") -> tuple[str, str]:
     """The engine to use here and why."""
     requested = requested or "auto"

@@ -3,12 +3,17 @@
 `get_engine(name)` returns an object with:
     name, device
     train_session(model_dir, spec, init_tensors, opt) -> a session with
-        step(micro_batches: list[(ids, labels)], lr) -> (loss_sum, target_tokens, tokens)
-        export() -> dict[str, np.ndarray]   engine-neutral float32 (adapter + optimizer)
-        load(tensors, step)                 the reverse
+        forward_backward(micro_batches: list[(ids, labels)], total_targets) -> (loss_sum, tokens)
+            accumulates gradients; abandonable (it touches only the gradients)
+        apply(lr)                           the AdamW update (torch.optim.AdamW's formula on every engine)
+        discard()                           drop accumulated gradients
+        export() -> dict[str, np.ndarray]   engine-neutral float32: adapter.<name>, optim.<name>.exp_avg(_sq)
+        load(tensors, step)                 the reverse; step is AdamW's step count
         adapter() -> dict[str, np.ndarray]  canonical LoRA tensors
-        merged_weights() -> dict[str, np.ndarray]  base + B@A*scale, HF names
-    generator(model_dir, adapter, slots, max_len) -> runtime.generate-style Generator
+        merged_weights() -> dict[str, np.ndarray]  base + scale * B @ A, HF names, float32
+        pad_id
+    load_model(model_dir, adapter=None) -> a model runtime.generate's Generator can drive
+    generator(model_dir, tokenizer, adapter, slots, max_len) -> runtime.generate.Generator
     peak_mem_gb() -> float
 """
 

@@ -117,23 +117,23 @@ class TorchTrainSession:
                         "exp_avg_sq": torch.from_numpy(tensors[f"optim.{n}.exp_avg_sq"]).to(dev).clone(),
                     }
 
-    def merged_weights(self) -> dict[str, torch.Tensor]:
-        """Base weights with each LoRA update folded in, under the checkpoint's own names."""
+    def merged_weights(self) -> dict[str, np.ndarray]:
+        """Base weights with each LoRA update folded in, under the checkpoint's own names, float32."""
         sd = {}
         lora_modules = {n.rsplit(".lora_", 1)[0] for n in self.names}
         for name, module in self.model.named_modules():
             if name in lora_modules:
                 w = module.base.weight.detach().float()
                 delta = module.scale * (module.lora_B.detach() @ module.lora_A.detach())
-                sd[f"{name}.weight"] = (w + delta).contiguous()
+                sd[f"{name}.weight"] = (w + delta).cpu().numpy()
                 if module.base.bias is not None:
-                    sd[f"{name}.bias"] = module.base.bias.detach().float().contiguous()
+                    sd[f"{name}.bias"] = module.base.bias.detach().float().cpu().numpy()
         for name, tensor in self.model.state_dict().items():
             if ".lora_" in name:
                 continue
             clean = name.replace(".base.", ".")
             if clean not in sd:
-                sd[clean] = tensor.detach().float().contiguous()
+                sd[clean] = tensor.detach().float().cpu().numpy()
         return sd
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import orjson
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
+from safetensors.numpy import save_file as st_save_file
 
 from ..adapter import LoraSpec, init_tensors, save_adapter, spec_dict
 from ..data import BatchOrder, collate, load_train_data
@@ -197,13 +198,11 @@ def write_outputs(job, session, spec, model_dir, model_ref, losses, o) -> str:
 
 
 def write_merged(dest: Path, session, model_dir) -> None:
-    from safetensors.torch import save_file
-
     dest.mkdir(parents=True)
     weights = session.merged_weights()
     if model_dir.config.get("tie_word_embeddings"):
         weights.pop("lm_head.weight", None)
-    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    st_save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
         if (model_dir.path / name).exists():
             shutil.copyfile(model_dir.path / name, dest / name)

@@ -67,9 +67,16 @@ def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu"):
         model = arch.Model(args)
     files = weight_files(model_dir.path)
     weights = model.sanitize(load_weights(files, dtype, device))
-    expected = set(model.state_dict())
-    missing = sorted(expected - set(weights))
-    unexpected = sorted(set(weights) - expected)
+    check_weights({k: tuple(v.shape) for k, v in model.state_dict().items()},
+                  {k: tuple(v.shape) for k, v in weights.items()}, files, model_dir)
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model.eval()
+
+
+def check_weights(expected: dict, got: dict, files, model_dir: "ModelDir") -> None:
+    """Strict loading, shared by every engine: the same names and shapes as the model, or one line."""
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
     names = ", ".join(f.name for f in files)
     if missing or unexpected:
         detail = "; ".join(
@@ -84,12 +91,9 @@ def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu"):
             f"{names} in {model_dir.path} does not match config.json's {model_dir.arch} model: {detail}",
             f"check that config.json and the safetensors in {model_dir.path} come from the same checkpoint",
         )
-    for name, tensor in model.state_dict().items():
-        if tuple(weights[name].shape) != tuple(tensor.shape):
+    for name, shape in expected.items():
+        if tuple(got[name]) != tuple(shape):
             raise SpillpackError(
-                f"{names} in {model_dir.path}: {name} has shape {tuple(weights[name].shape)}, "
-                f"config.json implies {tuple(tensor.shape)}",
+                f"{names} in {model_dir.path}: {name} has shape {tuple(got[name])}, config.json implies {tuple(shape)}",
                 f"check that config.json and the safetensors in {model_dir.path} come from the same checkpoint",
             )
-    model.load_state_dict(weights, strict=True, assign=True)
-    return model.eval()

@@ -1,0 +1,179 @@
+"""The MLX engine: LoRA training and generation with mlx, on Apple silicon or mlx's CPU build.
+
+The same math as the torch engine, tensor for tensor: LoRA `y = base(x) + scale * (x A^T) B^T`
+with A (r, in) and B (out, r) under the canonical names, the loss summed over target tokens
+and divided by the step's target count, and AdamW exactly as torch.optim.AdamW computes it
+(decoupled weight decay, bias correction by the step count). So `export()` writes the same
+names and meanings as the torch session and a checkpoint continues on either engine.
+On a Metal GPU the frozen base is bfloat16; LoRA weights, moments and checkpoints stay float32.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..adapter import LoraSpec
+from ..mlx_models import load_model
+from . import OptimSpec
+
+
+class LoRALinear(nn.Module):
+    """Wraps a frozen nn.Linear. lora_A/lora_B are bias-free linears, so their weights sit at
+    the canonical `<module>.lora_A.weight` (r, in) and `<module>.lora_B.weight` (out, r)."""
+
+    def __init__(self, base: nn.Linear, A: np.ndarray, B: np.ndarray, scale: float, dropout: float = 0.0):
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Linear(A.shape[1], A.shape[0], bias=False)
+        self.lora_B = nn.Linear(B.shape[1], B.shape[0], bias=False)
+        self.lora_A.weight = mx.array(A, dtype=mx.float32)
+        self.lora_B.weight = mx.array(B, dtype=mx.float32)
+        self.scale = scale
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+
+    def __call__(self, x):
+        y = self.base(x)
+        xd = self.dropout(x) if self.dropout is not None else x
+        z = self.lora_B(self.lora_A(xd.astype(mx.float32)))
+        return y + (self.scale * z).astype(y.dtype)
+
+
+def _submodule(model: nn.Module, path: str):
+    obj = model
+    for part in path.split("."):
+        obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part)
+    return obj
+
+
+def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec) -> dict[str, LoRALinear]:
+    """Wrap each targeted linear (the model is frozen first); returns the wrappers by module name."""
+    model.freeze()
+    wrapped = {}
+    for name in sorted({k.rsplit(".lora_", 1)[0] for k in tensors}):
+        parent_name, _, child = name.rpartition(".")
+        parent = _submodule(model, parent_name)
+        lora = LoRALinear(getattr(parent, child), tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"],
+                          spec.scale, spec.dropout)
+        setattr(parent, child, lora)
+        lora.base.freeze()
+        wrapped[name] = lora
+    return wrapped
+
+
+def _loss(model, ids, rows, cols, targets):
+    hidden = model.hidden_states(ids)  # (B, T, D); right padding is harmless under the causal mask
+    logits = model.logits(hidden[rows, cols]).astype(mx.float32)  # (N, V): only positions with loss
+    return nn.losses.cross_entropy(logits, targets, reduction="sum")
+
+
+class MLXTrainSession:
+    def __init__(self, engine: "MLXEngine", model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec):
+        self.engine, self.spec, self.opt = engine, spec, opt
+        self.model = load_model(model_dir, dtype=engine.base_dtype)
+        self.loras = apply_lora(self.model, tensors, spec)
+        self.names = sorted(tensors)
+        self.model.train(spec.dropout > 0)
+        self._value_and_grad = nn.value_and_grad(self.model, _loss)
+        self.grads: dict[str, mx.array] | None = None
+        self.moments: dict[str, tuple[mx.array, mx.array]] = {}
+        self.t = 0  # AdamW's step count, as torch keeps it in the optimizer state
+        self.pad_id = 0
+
+    def _param(self, name: str) -> nn.Linear:
+        module, which = name.rsplit(".lora_", 1)
+        return getattr(self.loras[module], "lora_" + which.split(".")[0])
+
+    def forward_backward(self, micro_batches, total_targets: int) -> tuple[float, int]:
+        """Accumulate gradients for one optimizer step. Abandonable: it only touches self.grads."""
+        loss_sum, tokens = 0.0, 0
+        for ids, labels in micro_batches:
+            rows, cols = np.nonzero(labels != -100)
+            loss, grads = self._value_and_grad(self.model, mx.array(ids), mx.array(rows), mx.array(cols),
+                                               mx.array(labels[rows, cols]))
+            flat = {k: g / total_targets for k, g in tree_flatten(grads)}
+            self.grads = flat if self.grads is None else {k: self.grads[k] + g for k, g in flat.items()}
+            mx.eval(loss, self.grads)
+            loss_sum += float(loss)
+            tokens += int(ids.size)
+        return loss_sum, tokens
+
+    def apply(self, lr: float) -> None:
+        """torch.optim.AdamW's update (amsgrad off), in the same order of operations; never interrupted."""
+        b1, b2 = self.opt.betas
+        self.t += 1
+        bc1, bc2_sqrt = 1 - b1**self.t, (1 - b2**self.t) ** 0.5
+        updated = []
+        for n in self.names:
+            lin, g = self._param(n), self.grads[n]
+            m, v = self.moments.get(n) or (mx.zeros_like(g), mx.zeros_like(g))
+            p = lin.weight * (1 - lr * self.opt.weight_decay)
+            m = m + (g - m) * (1 - b1)
+            v = v * b2 + (g * g) * (1 - b2)
+            p = p - (lr / bc1) * (m / (mx.sqrt(v) / bc2_sqrt + self.opt.eps))
+            lin.weight, self.moments[n] = p, (m, v)
+            updated += [p, m, v]
+        mx.eval(updated)
+        self.grads = None
+
+    def discard(self) -> None:
+        self.grads = None
+
+    def adapter(self) -> dict[str, np.ndarray]:
+        return {n: np.array(self._param(n).weight, dtype=np.float32) for n in self.names}
+
+    def export(self) -> dict[str, np.ndarray]:
+        out = {f"adapter.{n}": v for n, v in self.adapter().items()}
+        for n, (m, v) in self.moments.items():
+            out[f"optim.{n}.exp_avg"] = np.array(m, dtype=np.float32)
+            out[f"optim.{n}.exp_avg_sq"] = np.array(v, dtype=np.float32)
+        return out
+
+    def load(self, tensors: dict[str, np.ndarray], step: int) -> None:
+        self.moments = {}
+        for n in self.names:
+            self._param(n).weight = mx.array(tensors[f"adapter.{n}"], dtype=mx.float32)
+            if f"optim.{n}.exp_avg" in tensors:
+                self.moments[n] = (mx.array(tensors[f"optim.{n}.exp_avg"]), mx.array(tensors[f"optim.{n}.exp_avg_sq"]))
+        self.t = step if self.moments else 0
+        mx.eval(self.model.trainable_parameters())
+
+    def merged_weights(self) -> dict[str, np.ndarray]:
+        """Base weights with each LoRA update folded in, under the checkpoint's own names, float32."""
+        out = {}
+        for name, lora in self.loras.items():
+            delta = lora.scale * (lora.lora_B.weight @ lora.lora_A.weight)
+            out[f"{name}.weight"] = np.array(lora.base.weight.astype(mx.float32) + delta)
+            if "bias" in lora.base:
+                out[f"{name}.bias"] = np.array(lora.base.bias.astype(mx.float32))
+        for name, value in tree_flatten(self.model.parameters()):
+            if ".lora_" not in name and ".base." not in name:
+                out[name] = np.array(value.astype(mx.float32))
+        return out
+
+
+class MLXEngine:
+    name = "mlx"
+
+    def __init__(self):
+        self.device = mx.default_device()
+        self.base_dtype = mx.bfloat16 if self.device == mx.gpu else mx.float32
+
+    def train_session(self, model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec) -> MLXTrainSession:
+        return MLXTrainSession(self, model_dir, spec, tensors, opt)
+
+    def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | None = None):
+        model = load_model(model_dir, dtype=self.base_dtype)
+        if adapter is not None:
+            tensors, spec = adapter
+            apply_lora(model, tensors, spec)
+        model.eval()
+        return model
+
+    def generator(self, model_dir, tokenizer, adapter=None, slots: int = 8, max_len: int = 2048):
+        from ..generate import Generator
+
+        return Generator(self.load_model(model_dir, adapter), tokenizer, slots=slots, max_len=max_len)
+
+    def peak_mem_gb(self) -> float:
+        return mx.get_peak_memory() / 2**30

@@ -1,0 +1,275 @@
+"""The MLX engine against the torch engine, the peer that is itself checked against transformers.
+
+Logits on the same HF directories, greedy generation, the training step tensor for tensor,
+and a tune checkpoint that moves between torch-cpu and mlx through the CLI.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("mlx.core")
+
+import mlx.core as mx  # noqa: E402
+
+from runtime.adapter import LoraSpec, init_tensors  # noqa: E402
+from runtime.engines import OptimSpec, get_engine  # noqa: E402
+from runtime.generate import generate  # noqa: E402
+from runtime.mlx_models import load_model as mlx_load  # noqa: E402
+from runtime.modelref import resolve_model  # noqa: E402
+from runtime.models import load_model as torch_load  # noqa: E402
+from runtime.tiny import ensure_tiny  # noqa: E402
+from runtime.tokenizer import Tokenizer  # noqa: E402
+from tests.conftest import events_of, run_cli  # noqa: E402
+from tests.hf_fixtures import make_llama, make_qwen2  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPILLPACK_HOME", str(tmp_path_factory.mktemp("home")))
+        root = tmp_path_factory.mktemp("models")
+        yield {
+            "qwen2": make_qwen2(root / "qwen2")[0],
+            "qwen2-tied": make_qwen2(root / "qwen2-tied", tied=True)[0],
+            "llama": make_llama(root / "llama")[0],
+            "llama-tied-sharded": make_llama(root / "llama-ts", tied=True, max_shard_size="100KB")[0],
+            "tiny": ensure_tiny(),
+        }
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2-tied", "llama", "llama-tied-sharded", "tiny"])
+def test_logits_match_torch(models, name):
+    md = resolve_model(str(models[name]))
+    ids = np.random.default_rng(0).integers(0, md.config["vocab_size"], size=(3, 17))
+    with torch.no_grad():
+        expected = torch_load(md)(torch.from_numpy(ids)).numpy()
+    mm = mlx_load(md)
+    got = np.array(mm(mx.array(ids)))
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+    # Through the KV cache: a prefill of 10 tokens into row 1, then one token at a time.
+    cache = mm.make_cache(2, 32)
+    first = np.array(mm(mx.array(ids[:1, :10]), cache=cache.row(1)))
+    steps = [np.array(mm(mx.array(ids[:1, t : t + 1]), cache=cache.row(1)))[0, 0] for t in range(10, 17)]
+    np.testing.assert_allclose(first[0], expected[0, :10], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.stack(steps), expected[0, 10:], atol=1e-4, rtol=0)
+    assert cache.lengths.tolist() == [0, 17]
+
+
+def test_mlx_refuses_mismatched_weights(models, tmp_path):
+    import json
+    import shutil
+
+    from runtime.errors import SpillpackError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(models["qwen2"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpillpackError, match="missing .* tensor"):
+        mlx_load(resolve_model(str(bad)))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_greedy_generation_identical(models, name):
+    md = resolve_model(str(models[name]))
+    tok = Tokenizer.from_dir(md.path)
+    tok.eos_token_ids = frozenset()  # random weights: compare all tokens
+    prompts = [tok.encode(p) for p in ["Hi", "Zebras quietly vex", "Grumpy wizards make toxic brew", "Hello, how are you? I"]]
+    expected = generate(torch_load(md), tok, prompts, max_tokens=12, batch=2)  # 2 slots, 4 prompts: refills
+    got = generate(get_engine("mlx").load_model(md), tok, prompts, max_tokens=12, batch=2)
+    assert [r.tokens for r in got] == [r.tokens for r in expected]
+    assert all(r.completion_tokens == 12 for r in got)
+
+
+def test_generator_with_adapter_matches_torch(models):
+    md = resolve_model(str(models["qwen2"]))
+    tok = Tokenizer.from_dir(md.path)
+    tok.eos_token_ids = frozenset()
+    spec = LoraSpec(4, 8.0, ("q_proj", "down_proj"))
+    tensors = init_tensors(md.config, spec, 1)
+    rng = np.random.default_rng(1)
+    tensors = {k: v if "lora_A" in k else rng.normal(0, 0.3, v.shape).astype(np.float32) for k, v in tensors.items()}
+    outs = []
+    for engine in ("torch-cpu", "mlx"):
+        gen = get_engine(engine).generator(md, tok, adapter=(tensors, spec), slots=2, max_len=40)
+        outs.append(generate_with(gen, [tok.encode("Hi there"), tok.encode("Zebras")]))
+    assert outs[0] == outs[1]
+
+
+def generate_with(gen, prompts):
+    from runtime.generate import Request
+
+    for i, p in enumerate(prompts):
+        gen.add(Request(str(i), p, max_tokens=8))
+    out = {}
+    while gen.active:
+        out.update({r.key: r.tokens for r in gen.step()})
+    return out
+
+
+def test_training_steps_match_torch(models):
+    """Five AdamW steps with gradient accumulation, weight decay and padding: the same losses,
+    adapter, moments and merged weights on both engines."""
+    md = resolve_model(str(models["qwen2"]))
+    spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "down_proj"))
+    init = init_tensors(md.config, spec, 0)
+    sessions = {e: get_engine(e).train_session(md, spec, init, OptimSpec(weight_decay=0.01)) for e in ("torch-cpu", "mlx")}
+    rng = np.random.default_rng(0)
+    for step in range(5):
+        mbs = []
+        for _ in range(2):
+            ids = rng.integers(0, 900, size=(2, 9))
+            labels = ids.copy()
+            labels[:, :3] = -100  # prompt
+            labels[1, 7:] = -100  # padding
+            mbs.append((ids, labels))
+        n = int(sum((labels != -100).sum() for _, labels in mbs))
+        losses = {}
+        for e, s in sessions.items():
+            loss_sum, tokens = s.forward_backward(mbs, n)
+            s.apply(1e-2)
+            losses[e] = loss_sum / n
+            assert tokens == 36
+        assert losses["mlx"] == pytest.approx(losses["torch-cpu"], abs=1e-5)
+    a, b = (s.export() for s in sessions.values())
+    assert sorted(a) == sorted(b) and any(k.endswith(".exp_avg_sq") for k in a)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=0, err_msg=k)
+    ma, mb = (s.merged_weights() for s in sessions.values())
+    assert sorted(ma) == sorted(mb)
+    for k in ma:
+        np.testing.assert_allclose(mb[k], ma[k], atol=1e-5, rtol=0, err_msg=k)
+
+
+def test_load_export_roundtrip_across_engines(models):
+    """A torch checkpoint loaded into MLX continues exactly as torch would: one more step each."""
+    md = resolve_model(str(models["llama"]))
+    spec = LoraSpec(2, 4.0, ("k_proj", "up_proj"))
+    init = init_tensors(md.config, spec, 3)
+    t = get_engine("torch-cpu").train_session(md, spec, init, OptimSpec())
+    rng = np.random.default_rng(2)
+    batch = [(ids, ids.copy()) for ids in [rng.integers(0, 900, size=(2, 8))]]
+    for _ in range(3):
+        t.forward_backward(batch, 16)
+        t.apply(5e-3)
+    m = get_engine("mlx").train_session(md, spec, init, OptimSpec())
+    m.load(t.export(), 3)
+    for s in (t, m):
+        s.forward_backward(batch, 16)
+        s.apply(5e-3)
+    a, b = t.export(), m.export()
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], atol=1e-6, rtol=0, err_msg=k)
+
+
+# -- through the CLI -------------------------------------------------------------------------
+
+TUNE = ["tune", "tiny", "examples/data/train.jsonl", "--steps", "8", "--batch", "2", "--lr", "2e-3", "--warmup", "2",
+        "--ckpt-every", "2", "--targets", "q_proj,v_proj,down_proj"]
+LOSS_TOL = 1e-4  # absolute, on per-step mean losses of ~4-8; measured differences are ~1e-6
+
+
+def _losses(events):
+    return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory, tiny_home):
+    """The uninterrupted torch-cpu run that both switched runs are held to."""
+    import os
+
+    env = {"SPILLPACK_HOME": str(tiny_home)}
+    state = tmp_path_factory.mktemp("ref") / "state"
+    r = run_cli([*TUNE, "--engine", "torch-cpu", "--state", str(state)], env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr
+    losses = _losses(events_of(r.stdout))
+    assert sorted(losses) == list(range(1, 9))
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first,second", [("torch-cpu", "mlx"), ("mlx", "torch-cpu")])
+def test_tune_resumes_on_the_other_engine(home, tmp_path, reference_losses, first, second):
+    state = tmp_path / "state"
+    r1 = run_cli([*TUNE, "--engine", first, "--state", str(state), "--stop-after", "4"])
+    assert r1.returncode == 0, r1.stderr
+    ev1 = events_of(r1.stdout)
+    assert {e["engine"] for e in ev1} == {first}
+    assert [e["step"] for e in ev1 if e["event"] == "checkpoint"][-1] == 4
+
+    r2 = run_cli([*TUNE, "--engine", second, "--state", str(state)])
+    assert r2.returncode == 0, r2.stderr
+    ev2 = events_of(r2.stdout)
+    assert {e["engine"] for e in ev2} == {second}
+    assert [e["step"] for e in ev2 if e["event"] == "restore"] == [4]
+    assert next(e for e in ev2 if e["event"] == "start")["placement"].startswith(second)
+    losses = {**_losses(ev1), **_losses(ev2)}
+    assert sorted(_losses(ev2)) == [5, 6, 7, 8]  # continues at the right step, runs each step once
+    for step, loss in reference_losses.items():
+        assert losses[step] == pytest.approx(loss, abs=LOSS_TOL), (step, losses[step], loss)
+    done = ev2[-1]
+    assert done["event"] == "done" and done["complete"] and done["steps"] == 8
+    assert (state / "adapter" / "adapter_model.safetensors").is_file()
+
+    # The history says which engine ran which steps, as `spillpack status` tells it.
+    st = run_cli(["status", str(state)])
+    assert st.returncode == 0, st.stderr
+    procs = [e for e in events_of(st.stdout) if e["event"] == "status"][0]["processes"]
+    assert [(p["engine"], (p["resumed_from"] or {}).get("step", 0), p["end"]) for p in procs] == [
+        (first, 0, {"what": "stopped", "step": 4}), (second, 4, {"what": "done", "step": 8})]
+    human = run_cli(["status", str(state)], env={"SPILLPACK_HEADLESS": "0"}).stdout
+    assert f"engine {first}" in human and f"engine {second}" in human
+
+
+def test_torch_cuda_without_cuda_is_one_line(home):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = run_cli(["tune", "tiny", "examples/data/train.jsonl", "--steps", "2", "--engine", "torch-cuda"], env={"SPILLPACK_HEADLESS": "0"})
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("spillpack: engine torch-cuda is not usable here: ") and "Try: spillpack doctor" in lines[0]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_doctor_measures_each_usable_engine(home):
+    r = run_cli(["doctor"])
+    assert r.returncode == 0, r.stderr
+    report = events_of(r.stdout)[0]
+    engines = report["engines"]
+    for name in ("mlx", "torch-cpu"):
+        assert engines[name]["usable"], engines[name]
+        assert engines[name]["matmul_gflops"] > 0 and engines[name]["mem_gbps"] > 0
+    if not torch.cuda.is_available():
+        assert engines["torch-cuda"] == {"usable": False, "detail": "this torch has no CUDA support"} or \
+            engines["torch-cuda"]["detail"] == "no CUDA device is visible"
+    assert report["engine"] == "torch-cpu" and report["engine_reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first,second", [("torch-cpu", "mlx"), ("mlx", "torch-cpu")])
+def test_run_resumes_on_the_other_engine(home, tmp_path, first, second):
+    """A batch `run` stopped on one engine and finished on the other: greedy rows byte-identical
+    to an uninterrupted torch-cpu run, each row generated once."""
+    from tests.test_rows import rows_file
+
+    inp = rows_file(tmp_path / "in.jsonl", n=8)
+    common = ["run", "tiny", str(inp), "--max-tokens", "12", "--batch", "3", "--commit-rows", "2"]
+    clean = run_cli(common + ["--engine", "torch-cpu", "--state", str(tmp_path / "clean"), "--out", str(tmp_path / "clean.jsonl")])
+    assert clean.returncode == 0, clean.stderr
+    state = str(tmp_path / "st")
+    out = tmp_path / "out.jsonl"
+    r1 = run_cli(common + ["--engine", first, "--state", state, "--stop-after", "3"])
+    assert r1.returncode == 0, r1.stderr
+    r2 = run_cli(common + ["--engine", second, "--state", state, "--out", str(out)])
+    assert r2.returncode == 0, r2.stderr
+    ev1, ev2 = events_of(r1.stdout), events_of(r2.stdout)
+    assert {e["engine"] for e in ev1} == {first} and {e["engine"] for e in ev2} == {second}
+    restored = [e["step"] for e in ev2 if e["event"] == "restore"]
+    assert restored and restored[0] >= 3
+    assert sum(e["event"] == "row" for e in ev1) + sum(e["event"] == "row" for e in ev2) == 8
+    assert out.read_bytes() == (tmp_path / "clean.jsonl").read_bytes()
+    procs = events_of(run_cli(["status", state]).stdout)[0]["processes"]
+    assert [p["engine"] for p in procs] == [first, second]
