@@ -5,16 +5,21 @@ PY := $(VENV)/bin/python
 
 .PHONY: setup demo test test-fast bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)-sky/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-demo: setup
+demo: $(VENV)/.installed
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash examples/demo.sh
+
+# SkyPilot's parser, for the scheduler example tests, in its own environment (see pyproject.toml).
+$(VENV)-sky/.installed: tests/requirements-skypilot.txt
+	$(PYTHON) -m venv $(VENV)-sky
+	$(VENV)-sky/bin/python -m pip install -q -r tests/requirements-skypilot.txt
+	touch $@
 
 test: setup
 	$(PY) -m pytest -q -ra
@@ -26,4 +31,4 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) out build *.egg-info
+	rm -rf $(VENV) $(VENV)-sky out build *.egg-info

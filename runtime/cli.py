@@ -89,20 +89,31 @@ def main(argv: list[str] | None = None, extra: dict | None = None) -> int:
         return _fail(err, events, debug)
 
 
-def _run_job(command: str, ns: dict, events: Events) -> int:
+def invocation(command: str, ns: dict, headless: bool = False) -> Invocation:
+    """The fully resolved job from parsed arguments (and --config): what runs, what is emitted, what is packed."""
     config_path = ns.pop("config", None)
-    emit_path = ns.pop("emit_config", None)
     debug = ns.pop("debug", False)
     ns.pop("headless", None)
     arguments, options = resolve(command, ns, config_path)
-    inv = Invocation(command, arguments, options, headless=events.headless, debug=debug, config_path=config_path)
+    inv = Invocation(command, arguments, options, headless=headless, debug=debug, config_path=config_path)
     job = importlib.import_module(f"runtime.jobs.{command}")
     if hasattr(job, "finish_invocation"):
         job.finish_invocation(inv)  # fills derived defaults (e.g. the job name) so the config is fully resolved
+    return inv
+
+
+def _run_job(command: str, ns: dict, events: Events) -> int:
+    emit_path = ns.pop("emit_config", None)
+    inv = invocation(command, ns, events.headless)
+    job = importlib.import_module(f"runtime.jobs.{command}")
     if emit_path:
         write_config(inv, emit_path)
         events.say(f"wrote {emit_path}; run it with: spillpack {command} --config {emit_path}")
         return 0
+    from . import bundle
+
+    bundle.localize(inv.arguments)  # no-op outside a bundle: its files/... paths become absolute
+    bundle.localize(inv.options)
     return job.main(inv, events)
 
 

@@ -28,13 +28,17 @@ def read_bytes(uri: str, what: str = "data") -> bytes:
         return data
     path = Path(parsed.path if parsed.scheme == "file" else uri).expanduser()
     try:
-        return path.read_bytes()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise SpillpackError(f"{what} file {uri} does not exist", f"ls {path.parent}")
     except IsADirectoryError:
         raise SpillpackError(f"{what} {uri} is a directory, not a JSONL file", f"ls {path}")
     except OSError as e:
         raise SpillpackError(f"cannot read {what} {uri}: {e.strerror}", f"ls -l {path}")
+    from .bundle import check_read
+
+    check_read(path, data)  # a bundled file must be the one that was packed
+    return data
 
 
 def iter_jsonl(raw: bytes, uri: str):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from .errors import EXIT_OK, EXIT_PREEMPTED
 from .events import Events
 from .hardware import choose_engine
+from .notices import NoticeWatcher, start_watcher
 from .paths import spillpack_home
 from .signals import Preemption
 from .state import JobState
@@ -32,6 +33,7 @@ class Job:
     engine_reason: str
     state: JobState
     preemption: Preemption
+    notices: NoticeWatcher
     t0: float = field(default_factory=time.monotonic)
     _progress_at: float = 0.0
 
@@ -50,7 +52,8 @@ class Job:
         if invocation is not None:
             state.save_invocation({**invocation, "options": {**invocation["options"], "state": uri}})
         preemption = Preemption().install()
-        return cls(command, name, events, engine_name, reason, state, preemption)
+        notices = start_watcher(options.get("preemption_notice"), preemption)
+        return cls(command, name, events, engine_name, reason, state, preemption, notices)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -84,4 +87,5 @@ class Job:
         return EXIT_OK
 
     def close(self) -> None:
+        self.notices.stop()
         self.preemption.uninstall()

@@ -51,6 +51,8 @@ SHARED = (
     Opt("state", None, help="where the job keeps its state: a path, file:// or s3:// URI (default: SPILLPACK_HOME/jobs/NAME)", metavar="URI"),
     Opt("weights", None, help="where the model's weights are: a path, file:// or s3:// URI", metavar="URI"),
     Opt("engine", "auto", choices=ENGINES, help="mlx, torch-cuda or torch-cpu (default: chosen for this machine)"),
+    Opt("preemption_notice", "auto", choices=("auto", "aws", "gcp", "off"),
+        help="also stop (checkpoint, exit 75) on a cloud's spot notice in the instance metadata; auto finds AWS or GCP, if any"),
     Opt("stop_after", None, _stop_after, help="stop cleanly (exit 0) after N steps or rows", metavar="N"),
     Opt("headless", False, flag=True, in_config=False, help="JSON-line events on stdout (automatic when stdout is not a terminal)"),
     Opt("debug", False, flag=True, in_config=False, help="show tracebacks"),
@@ -110,7 +112,7 @@ DISTILL = (
 BUILD = (
     Opt("folder", positional=True, help="a folder with evals.jsonl and train.jsonl and/or prompts.jsonl"),
     Opt("student", "tiny", help="the model that is evaluated and tuned"),
-    Opt("teacher", None, help="the teacher for prompts.jsonl (default: the student)"),
+    Opt("teacher", None, help="the teacher that answers prompts.jsonl (distill runs only with a teacher or --teacher-adapter)"),
     Opt("teacher_adapter", None, help="a LoRA adapter the teacher answers with", metavar="URI"),
     Opt("metric", "exact_match", choices=("exact_match", "contains", "regex", "json_field"), help="how eval answers are scored"),
     Opt("field", None, help="the JSON field compared by --metric json_field"),

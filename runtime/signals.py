@@ -9,6 +9,7 @@ never torn. A second signal abandons at once.
 """
 
 import signal
+import threading
 import time
 from contextlib import contextmanager
 
@@ -32,6 +33,8 @@ class Preemption:
         self._in_step = False
         self._step_started = 0.0
         self._previous = {}
+        self._notice_name: str | None = None
+        self._lock = threading.Lock()  # a notice thread's request never races uninstall()
 
     @property
     def stop_requested(self) -> bool:
@@ -44,14 +47,27 @@ class Preemption:
         return self
 
     def uninstall(self) -> None:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+        with self._lock:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            self._previous.clear()
 
     def request(self, name: str) -> None:
-        """A stop asked for without a signal (a cloud's preemption notice): same as SIGTERM."""
-        self._on_signal(signal.SIGTERM, None, name=name)
+        """A stop asked for without a signal (a cloud's preemption notice): same as SIGTERM.
+
+        From another thread (the notice watcher) a real SIGTERM is sent to the main thread,
+        so the one handler runs where it can abandon a step, and a blocking call there wakes
+        up. Once uninstalled (the job is over) the request is dropped rather than let the
+        default SIGTERM action kill the process."""
+        if threading.current_thread() is threading.main_thread():
+            self._on_signal(signal.SIGTERM, None, name=name)
+            return
+        with self._lock:
+            if not self._previous:
+                return
+            self._notice_name = name
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
     def seconds_left(self) -> float:
         return self.promise_s if self.t_signal is None else self.promise_s - (time.monotonic() - self.t_signal)
@@ -59,7 +75,7 @@ class Preemption:
     def _on_signal(self, signum, frame, name: str | None = None):
         self.count += 1
         if self.count == 1:
-            self.signal_name = name or signal.Signals(signum).name
+            self.signal_name = name or self._notice_name or signal.Signals(signum).name
             self.t_signal = time.monotonic()
         if not self._in_step:
             return

@@ -6,6 +6,7 @@ from runtime.cli import main as runtime_main
 
 LAPTOP_COMMANDS = {
     "models": ("spillpack.commands.models", "the model tags spillpack knows and the models on this machine"),
+    "pack": ("spillpack.pack.command", "pack a job into one directory that runs anywhere with ./run.sh"),
 }
 
 

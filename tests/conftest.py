@@ -15,6 +15,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def no_cloud_metadata(monkeypatch):
+    """Jobs in tests look for a cloud's preemption notice (--preemption-notice auto) on a
+    closed loopback port, never on the real link-local metadata address."""
+    if "SPILLPACK_METADATA_URL" not in os.environ:
+        monkeypatch.setenv("SPILLPACK_METADATA_URL", "http://127.0.0.1:9")
+
+
 @pytest.fixture(scope="session")
 def tiny_home(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("tiny-home")

@@ -33,12 +33,17 @@ def test_bad_folders_give_one_line(home, tmp_path):
     assert r.returncode == 1 and "neither train.jsonl nor prompts.jsonl" in r.stderr
     r = run_cli(["build", str(no_evals), "--stop-after", "bogus:3"])
     assert r.returncode == 1 and "STAGE" in r.stderr
+    prompts_only = small_folder(tmp_path / "h", train=0)
+    r = run_cli(["build", str(prompts_only), "--state", str(tmp_path / "s2")])
+    assert r.returncode == 1 and "no teacher to answer the prompts" in r.stderr
+    r = run_cli(["build", str(small_folder(tmp_path / "i")), "--stop-after", "distill", "--state", str(tmp_path / "s3")])
+    assert r.returncode == 1 and "no distill stage" in r.stderr
 
 
 @pytest.mark.slow
 def test_build_stopped_in_every_stage_ends_like_an_uninterrupted_one(home, tmp_path):
     folder = small_folder(tmp_path / "f")
-    opts = ["--steps", "4", "--max-tokens", "4", "--batch", "2"]
+    opts = ["--steps", "4", "--max-tokens", "4", "--batch", "2", "--teacher", "tiny"]
     whole = build(folder, tmp_path / "whole", *opts)[-1]
     assert whole["complete"] and set(whole["stages"]) == {"eval-base", "distill", "tune", "eval-tuned"}
 

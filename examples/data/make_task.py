@@ -41,11 +41,11 @@ def main(out: Path = Path(__file__).parent) -> None:
     with open(out / "evals.jsonl", "w") as f:
         for i, (review, label) in enumerate(evals):
             f.write(json.dumps({"custom_id": f"eval-{i:03d}", "body": {"messages": [{"role": "user", "content": QUESTION.format(review=review)}],
-                                "max_tokens": 4}, "expected": label}) + "\n")
+                                "max_tokens": 8}, "expected": label}) + "\n")
     with open(out / "prompts.jsonl", "w") as f:
         for i, (review, _) in enumerate(prompts):
             f.write(json.dumps({"custom_id": f"prompt-{i:03d}", "body": {"messages": [{"role": "user", "content": QUESTION.format(review=review)}],
-                                "max_tokens": 4}}) + "\n")
+                                "max_tokens": 8}}) + "\n")
 
 
 if __name__ == "__main__":

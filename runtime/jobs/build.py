@@ -83,9 +83,14 @@ def main(inv, events) -> int:
     stop_stage, stop_n = _stop_point(o.get("stop_after"))
     folder = str(a["folder"]).rstrip("/")
     files = _folder_files(folder)
-    stages = [s for s in STAGES if s != "distill" or "prompts.jsonl" in files]
+    # Distilling the student into itself teaches it nothing: prompts.jsonl needs a teacher.
+    has_teacher = bool(o.get("teacher") or o.get("teacher_adapter"))
+    if "prompts.jsonl" in files and not has_teacher and "train.jsonl" not in files:
+        raise SpillpackError(f"build folder {folder} has prompts.jsonl but no train.jsonl, and no teacher to answer the prompts",
+                             "--teacher MODEL or --teacher-adapter URI")
+    stages = [s for s in STAGES if s != "distill" or ("prompts.jsonl" in files and has_teacher)]
     if stop_stage is not None and stop_stage not in stages:
-        raise SpillpackError(f"this build has no {stop_stage} stage (no prompts.jsonl in {folder})", f"--stop-after {stages[-1]}")
+        raise SpillpackError(f"this build has no {stop_stage} stage (distill needs prompts.jsonl and a --teacher)", f"--stop-after {stages[-1]}")
     identity = {"command": "build", **{f"{k}_sha256": sha256(v) for k, v in sorted(files.items())},
                 **{k: o[k] for k in ("student", "teacher", "teacher_adapter", "metric", "field", "max_tokens", "steps", "epochs",
                                      "rank", "lr", "warmup", "targets", "seed")}}
@@ -107,12 +112,13 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n) -> int:
     events.emit("start", step=len(scores), job=o["name"], model=o["student"], placement=f"{job.engine_name}: {job.engine_reason}",
                 state=job.state.uri, estimated_seconds=None, stages=stages,
                 message=f"build {folder}: {' -> '.join(stages)} for {o['student']}"
+                        + (" (prompts.jsonl unused: no --teacher)" if "prompts.jsonl" in files and "distill" not in stages else "")
                         + (f" ({len(scores)} done before)" if scores else "") + f"; state at {job.state.uri}")
     common = {"engine": o["engine"], "batch": o["batch"], "max_tokens": o["max_tokens"], "seed": o["seed"]}
     plans = {
         "eval-base": ("eval", {"model": o["student"], "evals": f"{folder}/evals.jsonl", "weights": o.get("weights"),
                                "metric": o["metric"], "field": o.get("field"), **common}),
-        "distill": ("distill", {"teacher": o.get("teacher") or o["student"], "prompts": f"{folder}/prompts.jsonl",
+        "distill": ("distill", {"teacher": o.get("teacher") or o["student"],  # the student with --teacher-adapter "prompts": f"{folder}/prompts.jsonl",
                                 "adapter": o.get("teacher_adapter"), **common}),
         "tune": ("tune", {"model": o["student"], "data": store.child_uri(TUNE_DATA), "weights": o.get("weights"),
                           "engine": o["engine"], "seed": o["seed"], "steps": o.get("steps"), "epochs": o["epochs"],

@@ -1,0 +1,115 @@
+"""Writing the bundle directory: copy and hash each file in one pass, run.sh, MANIFEST.json.
+
+Everything is written into a private directory beside DIR and renamed into place at the
+end, so a failed pack leaves nothing behind and a finished one appears whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from runtime.bundle import MANIFEST
+
+CHUNK = 8 << 20
+
+RUN_SH = """\
+#!/bin/sh
+# A spillpack bundle: the {command} job {name}, packed by spillpack {version} for Python {python} on {platforms}.
+#   ./run.sh [OPTIONS]   run the job, or continue it; OPTIONS go to `spillpack {command}` (e.g. --stop-after 5)
+#   ./run.sh --verify    check every file of the bundle against MANIFEST.json
+# Exit 0: done. 75: preempted after a checkpoint; run this again to continue. 1: error. 2: usage.
+# SPILLPACK_PYTHON picks the interpreter (default python3), SHIV_ROOT where the zipapp unpacks.
+here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd -P) || exit 1
+py=${{SPILLPACK_PYTHON:-python3}}
+have=$("$py" -S -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || {{
+  echo "spillpack: no Python found as '$py'. Try: install Python {python}, or SPILLPACK_PYTHON=/path/to/python{python} $0" >&2; exit 1; }}
+if [ "$have" != "{python}" ]; then
+  echo "spillpack: this bundle needs Python {python}, but $py is Python $have. Try: SPILLPACK_PYTHON=/path/to/python{python} $0, or spillpack pack ... --python $have" >&2
+  exit 1
+fi
+# Unpack the zipapp on a node-local disk: HOME may be read-only, or shared by every node.
+if [ -z "${{SHIV_ROOT:-}}" ]; then
+  uid=$(id -u)
+  for d in "${{TMPDIR:-/tmp}}" /var/tmp "$here/.spillpack"; do
+    if mkdir -p "$d/spillpack-$uid" 2>/dev/null && [ -O "$d/spillpack-$uid" ] && [ -w "$d/spillpack-$uid" ]; then
+      chmod 700 "$d/spillpack-$uid" 2>/dev/null; SHIV_ROOT=$d/spillpack-$uid; break
+    fi
+  done
+  export SHIV_ROOT
+fi
+if [ "${{1:-}}" = "--verify" ]; then
+  exec "$py" "$here/spillpack.pyz" --verify
+fi
+# exec: the job becomes this process, so a scheduler's SIGTERM reaches it (also as PID 1).
+exec "$py" "$here/spillpack.pyz" {command} --config "$here/files/job.json" "$@"
+"""
+
+
+def copy_hashed(src: Path, dest: Path) -> tuple[int, str]:
+    """Copy and hash in one read: packing costs about what copying costs."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    size = 0
+    with open(src, "rb") as fi, open(dest, "wb") as fo:
+        while chunk := fi.read(CHUNK):
+            h.update(chunk)
+            fo.write(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def write_hashed(dest: Path, data: bytes, mode: int = 0o644) -> tuple[int, str]:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(data)
+    os.chmod(dest, mode)
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def hash_file(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return path.stat().st_size, h.hexdigest()
+
+
+class Writer:
+    """Files go into `tmp`; `finish` writes the manifest and renames tmp to the output."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.tmp = out.parent / f".{out.name}.packing-{os.getpid()}"
+        self.entries: dict[str, dict] = {}
+
+    def __enter__(self) -> "Writer":
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp.mkdir()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return False
+
+    def copy(self, rel: str, src: Path) -> None:
+        size, digest = copy_hashed(src, self.tmp / rel)
+        self.entries[rel] = {"size": size, "sha256": digest, "origin": str(src)}
+
+    def write(self, rel: str, data: bytes, origin: str, mode: int = 0o644) -> None:
+        size, digest = write_hashed(self.tmp / rel, data, mode)
+        self.entries[rel] = {"size": size, "sha256": digest, "origin": origin}
+
+    def add_existing(self, rel: str, origin: str) -> None:
+        size, digest = hash_file(self.tmp / rel)
+        self.entries[rel] = {"size": size, "sha256": digest, "origin": origin}
+
+    def finish(self, manifest: dict) -> None:
+        manifest = {**manifest, "files": {k: self.entries[k] for k in sorted(self.entries)}}
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if self.out.exists():  # appeared while we were packing
+            raise FileExistsError(str(self.out))
+        os.rename(self.tmp, self.out)

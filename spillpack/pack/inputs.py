@@ -1,0 +1,117 @@
+"""Which local files a job reads, and where each one goes in the bundle.
+
+Data (and adapters, folders) always go under files/data/, keeping their layout below the
+deepest directory they share; model weights go under files/weights/NAME/ only with
+--include-weights. s3:// stays as written (read on the target with its credentials);
+outputs (--out, --state) stay as written: they name places on the target.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.bundle import BUNDLE_PREFIX
+from runtime.errors import SpillpackError
+from runtime.modelref import TAGS
+
+# Options whose value is a file or directory the job reads, by role.
+DATA_OPTIONS = ("data", "input", "evals", "prompts", "folder", "adapter")
+MODEL_OPTIONS = ("model", "teacher", "student")  # a tag, tiny, or a model directory
+WEIGHTS_OPTION = "weights"
+
+
+@dataclass
+class Plan:
+    """bundle-relative path -> local source file, and the rewritten option values."""
+
+    files: dict[str, Path] = field(default_factory=dict)
+    rewrites: dict[str, str] = field(default_factory=dict)
+    not_bundled: list[str] = field(default_factory=list)  # local weights left as written (no --include-weights)
+
+
+def _local(name: str, value: str) -> Path | None:
+    """The local path behind a value, None for s3://; a scheme nobody can read from a bundle is refused."""
+    if value.startswith("s3://"):
+        return None
+    if value.startswith("file://"):
+        value = value[len("file://"):]
+    elif "://" in value:
+        raise SpillpackError(f"--{name.replace('_', '-')} {value}: a {value.split('://')[0]}:// URI cannot be made bundle-relative "
+                             "or read on the target", "a local path (it is copied into the bundle) or an s3:// URI")
+    return Path(os.path.abspath(os.path.expanduser(value)))
+
+
+def _files_under(name: str, path: Path) -> list[Path]:
+    if not path.exists():
+        kind = "directory" if name in ("folder", "adapter", WEIGHTS_OPTION) else "file"
+        raise SpillpackError(f"--{name.replace('_', '-')}: {kind} {path} does not exist", f"ls {path.parent}")
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise SpillpackError(f"--{name.replace('_', '-')}: {path} is not a regular file or directory, so it cannot be made "
+                             "bundle-relative", f"copy it to a regular file and pack that")
+    out = []
+    for dirpath, dirs, files in os.walk(path):
+        dirs.sort()
+        for f in sorted(files):
+            p = Path(dirpath, f)
+            if not stat.S_ISREG(p.stat().st_mode):
+                raise SpillpackError(f"{p} is not a regular file, so it cannot be made bundle-relative", f"remove it from {path}")
+            out.append(p)
+    if not out:
+        raise SpillpackError(f"--{name.replace('_', '-')}: {path} is an empty directory", f"ls {path}")
+    return out
+
+
+def plan(values: dict, include_weights: bool) -> Plan:
+    result = Plan()
+    data: dict[str, Path] = {}
+    for name in DATA_OPTIONS:
+        value = values.get(name)
+        if isinstance(value, str) and value:
+            path = _local(name, value)
+            if path is not None:
+                data[name] = path
+    weights: dict[str, Path] = {}
+    for name in (*MODEL_OPTIONS, WEIGHTS_OPTION):
+        value = values.get(name)
+        if not isinstance(value, str) or not value or value == "tiny" or value in TAGS:
+            continue
+        path = _local(name, value)
+        if path is None:
+            continue
+        if name in MODEL_OPTIONS and not path.is_dir():
+            continue  # not a directory: the runtime's model lookup reports it as it always does
+        if include_weights:
+            weights[name] = path
+        else:
+            result.not_bundled.append(f"--{name} {value}")
+
+    if data:
+        tops = [p if p.is_dir() else p.parent for p in data.values()]
+        file_lists = {name: _files_under(name, p) for name, p in data.items()}
+        common = Path(os.path.commonpath([str(t) for t in tops]))
+        for name, path in data.items():
+            rel = path.relative_to(common).as_posix()
+            result.rewrites[name] = BUNDLE_PREFIX + "data" + ("" if rel == "." else "/" + rel)
+            for f in file_lists[name]:
+                result.files[BUNDLE_PREFIX + "data/" + f.relative_to(common).as_posix()] = f
+    used: set[str] = set()
+    for name, path in weights.items():
+        files = _files_under(name, path)
+        base = path.name or "model"
+        label, n = base, 2
+        while label in used:
+            label, n = f"{base}-{n}", n + 1
+        used.add(label)
+        result.rewrites[name] = f"{BUNDLE_PREFIX}weights/{label}"
+        for f in files:
+            result.files[f"{BUNDLE_PREFIX}weights/{label}/{f.relative_to(path).as_posix()}"] = f
+    return result
+
+
+def uses_s3(values: dict) -> bool:
+    return any(isinstance(v, str) and v.startswith("s3://") for v in values.values())

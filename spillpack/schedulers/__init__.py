@@ -1,0 +1,124 @@
+"""Scheduler files for a bundle: SkyPilot, Slurm, Kubernetes, filled in for one job.
+
+The templates beside this module are the one source of truth: `spillpack pack
+--scheduler KIND` renders them for the packed job, and examples/schedulers/ holds them
+rendered for the example job `mine` (EXAMPLE); a test keeps the two equal, and
+`python -m spillpack.schedulers` rewrites the examples after a template changes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import jinja2
+
+KINDS = ("skypilot", "slurm", "kubernetes")
+TEMPLATES = Path(__file__).parent / "templates"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "schedulers"
+GPUS = ("H100", "A100", "L4", "A10G")  # SkyPilot's names; any one is enough for a LoRA tune
+# A stock image with Python 3.11 and torch; the CPU variant uses it too (no GPU requested).
+IMAGE = "pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime"
+
+
+@dataclass(frozen=True)
+class Values:
+    """What a scheduler file needs to know about one bundle."""
+
+    name: str  # the job's name, as scheduler objects may spell it (a DNS label)
+    bundle: str  # the bundle directory's name; the files sit beside it
+    state: str
+    weights: str | None = None
+    python: str = "3.11"
+    torch: str = "2.13.0"
+    with_torch: bool = False
+    cpus: int = 8
+    memory_gb: int = 32
+    gpus: tuple = GPUS
+    image: str = IMAGE
+    time_limit: str = "24:00:00"
+    signal_lead_s: int = 120  # Slurm's warning before the time limit: enough for a step and a commit
+    grace_s: int = 60  # Kubernetes: above the 30 s checkpoint promise
+    volume_gb: int = 50
+
+    @property
+    def s3(self) -> bool:
+        return any(str(u or "").startswith("s3://") for u in (self.state, self.weights))
+
+
+EXAMPLE = Values(name="mine", bundle="mine", state="s3://my-bucket/spillpack/state/mine",
+                 weights="s3://my-bucket/spillpack/weights/qwen2.5-0.5b")
+
+
+def file_names(kind: str, bundle: str) -> dict[str, str]:
+    """template -> the file written beside the bundle."""
+    return {
+        "skypilot": {"skypilot.yaml.j2": f"{bundle}.sky.yaml"},
+        "slurm": {"slurm.sbatch.j2": f"{bundle}.sbatch"},
+        "kubernetes": {"kubernetes-pvc.yaml.j2": f"{bundle}.k8s-pvc.yaml",
+                       "kubernetes-job.yaml.j2#cuda": f"{bundle}.k8s-cuda.yaml",
+                       "kubernetes-job.yaml.j2#cpu": f"{bundle}.k8s-cpu.yaml"},
+    }[kind]
+
+
+_env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                          keep_trailing_newline=True, autoescape=False)
+
+
+def render(kind: str, values: Values) -> dict[str, str]:
+    """file name -> text, for one scheduler."""
+    names = file_names(kind, values.bundle)
+    files = {"pvc": names.get("kubernetes-pvc.yaml.j2")}
+    out = {}
+    for key, fname in names.items():
+        template, _, variant = key.partition("#")
+        ctx = {**asdict(values), "s3": values.s3, "state_on_volume": not values.s3, "file": fname,
+               "files": files, "variant": variant}
+        out[fname] = _env.get_template(template).render(**ctx)
+    return out
+
+
+def dns_label(text: str) -> str:
+    """Kubernetes and SkyPilot names: lower-case letters, digits and '-', at most 40 here
+    (a Job name leaves room for its pods' suffixes)."""
+    label = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:40].strip("-")
+    return label or "job"
+
+
+def values_for(config: dict, bundle_dir: Path, python: str, with_torch: bool) -> Values:
+    """Values for a packed job: its frozen config (files/job.json) and the bundle's place."""
+    import importlib.metadata
+
+    o = config["options"]
+    name = o.get("name") or config["command"]
+    state = o.get("state") or f"$SPILLPACK_HOME/jobs/{name}"
+    try:
+        torch = importlib.metadata.version("torch").split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
+        torch = Values.torch
+    engine = o.get("engine") or "auto"
+    gpus = () if engine == "torch-cpu" else GPUS
+    return Values(name=dns_label(name), bundle=bundle_dir.name, state=state, weights=o.get("weights"),
+                  python=python, torch=torch, with_torch=with_torch, gpus=gpus)
+
+
+def write(kind: str, values: Values, where: Path) -> list[Path]:
+    written = []
+    for fname, text in render(kind, values).items():
+        path = where / fname
+        path.write_text(text)
+        if fname.endswith(".sbatch"):
+            path.chmod(0o755)
+        written.append(path)
+    return written
+
+
+def write_examples(root: Path = EXAMPLES) -> list[Path]:
+    out = []
+    for kind in KINDS:
+        (root / kind).mkdir(parents=True, exist_ok=True)
+        out += write(kind, EXAMPLE, root / kind)
+    return out
+
+
