@@ -118,7 +118,8 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n) -> int:
     plans = {
         "eval-base": ("eval", {"model": o["student"], "evals": f"{folder}/evals.jsonl", "weights": o.get("weights"),
                                "metric": o["metric"], "field": o.get("field"), **common}),
-        "distill": ("distill", {"teacher": o.get("teacher") or o["student"],  # the student with --teacher-adapter "prompts": f"{folder}/prompts.jsonl",
+        # Without --teacher the teacher is the student with --teacher-adapter.
+        "distill": ("distill", {"teacher": o.get("teacher") or o["student"], "prompts": f"{folder}/prompts.jsonl",
                                 "adapter": o.get("teacher_adapter"), **common}),
         "tune": ("tune", {"model": o["student"], "data": store.child_uri(TUNE_DATA), "weights": o.get("weights"),
                           "engine": o["engine"], "seed": o["seed"], "steps": o.get("steps"), "epochs": o["epochs"],
