@@ -140,22 +140,39 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_len = max_len
+        self.index = None  # the slots a view covers (None: all of them, in order)
 
     def row(self, b: int) -> "KVCache":
         """A one-row view sharing storage: a prefill through it lands in slot b of this cache."""
         view = KVCache.__new__(KVCache)
         view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
         view.lengths = self.lengths[b : b + 1]
-        view.max_len = self.max_len
+        view.max_len, view.index = self.max_len, None
+        return view
+
+    def view(self, slots: list[int]) -> "KVCache":
+        """Some slots, in the given order, as one batch: writes land in this cache's storage.
+
+        The view's lengths are a copy (advanced indexing), so the caller stores them back
+        with `self.lengths[slots] = view.lengths` after a forward.
+        """
+        if slots == list(range(self.k.shape[1])):
+            return self
+        view = KVCache.__new__(KVCache)
+        view.k, view.v, view.max_len = self.k, self.v, self.max_len
+        view.index = torch.tensor(slots, device=self.k.device)
+        view.lengths = self.lengths[view.index]
         return view
 
     def write(self, layer: int, k, v, slots: torch.Tensor, span: int):
         """Store k, v (B, kv_heads, T, head_dim) at `slots` (B, T); return keys/values up to `span`."""
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+        rows = torch.arange(k.shape[0], device=k.device) if self.index is None else self.index
         # Advanced indices split by a slice put their dims first: the target is (B, T, kv_heads, head_dim).
-        self.k[layer][rows, :, slots] = k.transpose(1, 2)
-        self.v[layer][rows, :, slots] = v.transpose(1, 2)
-        return self.k[layer, :, :, :span], self.v[layer, :, :, :span]  # (B, kv_heads, S, head_dim)
+        self.k[layer][rows[:, None], :, slots] = k.transpose(1, 2)
+        self.v[layer][rows[:, None], :, slots] = v.transpose(1, 2)
+        if self.index is None:
+            return self.k[layer, :, :, :span], self.v[layer, :, :, :span]  # (B, kv_heads, S, head_dim)
+        return self.k[layer, :, :, :span][rows], self.v[layer, :, :, :span][rows]  # a gathered copy
 
 
 class Attention(nn.Module):
@@ -249,9 +266,11 @@ class LlamaModel(nn.Module):
         S = span if cache is not None else T
         if attn_mask is not None:
             assert attn_mask.shape == (B, S), f"attn_mask must be (B, {S}) over cached + new tokens, got {tuple(attn_mask.shape)}"
-        # Plain causal prefill needs no mask (SDPA's is_causal is faster); anything else does.
+        # A prefill from position 0 with no padding mask is plain causal attention (SDPA's
+        # is_causal is faster; right padding after a row's prompt is hidden by causality);
+        # anything else needs a mask.
         mask = None
-        if cache is not None or attn_mask is not None:
+        if attn_mask is not None or S != T:
             mask = build_mask(T, S, offsets, attn_mask, device)
         x = self.embed_tokens(input_ids)  # (B, T, D)
         cos, sin = self.rotary_emb(positions, x.dtype)
