@@ -140,14 +140,6 @@ class KVCache:
         self.all_rows = torch.arange(batch, device=device)
         self.index = None  # the slots a view covers (None: all of them, in order)
 
-    def row(self, b: int) -> "KVCache":
-        """A one-row view sharing storage: a prefill through it lands in slot b of this cache."""
-        view = KVCache.__new__(KVCache)
-        view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
-        view.lengths = self.lengths[b : b + 1]
-        view.max_len, view.index, view.all_rows = self.max_len, None, self.all_rows[:1]
-        return view
-
     def view(self, slots: list[int]) -> "KVCache":
         """Some slots, in the given order, as one batch: writes land in this cache's storage.
 
