@@ -4,11 +4,20 @@
     PYTHONPATH=. python benchmarks/bench_run.py --model qwen0.5b-shape --prompts 32 --max-tokens 16
 
 Both run one after the other in this process on the same prompts (a mixed-length set: 8 to
-160 tokens), with generation to exactly --max-tokens (no early stop on either side, so the
-work is the same). transformers gets static batches of --batch left-padded prompts in input
-order; spillpack gets its continuous-batching Generator with --batch slots, the code path
-`spillpack run` uses. Prints rows/s, generated tokens/s, the ratio, and how many rows are
-token-identical. `qwen0.5b-shape` is a random-weight model of Qwen2.5-0.5B's shape (hidden 896,
+160 tokens), greedy, with the same torch thread count (--threads, default torch's).
+transformers gets static batches of --batch left-padded prompts in input order, through its
+normal `generate`; spillpack gets its continuous-batching Generator with --batch slots, the
+code path `spillpack run` uses. Two settings (--stop):
+
+- `length`: every row generates exactly --max-tokens (no early stop on either side), so the
+  token work is the same on both sides.
+- `mixed`: as a batch job's rows do, each row stops at the model's end-of-turn token or at
+  its own max_tokens, drawn from 1..--max-tokens (OpenAI batch rows carry their own). A
+  static batch runs until its last row is done (max_new_tokens = the batch's largest row
+  limit, the model's eos), and each row is cut at its own limit afterwards.
+
+Prints rows/s, generated tokens/s (the tokens the rows keep), the ratio, and how many rows
+are token-identical. `qwen0.5b-shape` is a random-weight model of Qwen2.5-0.5B's shape (hidden 896,
 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied) with tiny's tokenizer.
 """
 
@@ -53,7 +62,16 @@ def prompts_for(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def bench_hf(path: Path, prompts, max_tokens: int, batch: int, pad_id: int):
+def cut(tokens: list[int], limit: int, eos) -> list[int]:
+    """A row's completion: up to its limit, and up to and including its first eos."""
+    tokens = tokens[:limit]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i + 1]
+    return tokens
+
+
+def bench_hf(path: Path, prompts, limits: list[int], batch: int, pad_id: int, eos):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
@@ -61,17 +79,19 @@ def bench_hf(path: Path, prompts, max_tokens: int, batch: int, pad_id: int):
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
+            chunk, chunk_limits = prompts[i:i + batch], limits[i:i + batch]
             T = max(map(len, chunk))
             ids = torch.tensor([[pad_id] * (T - len(p)) + p for p in chunk])
             mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in chunk])
-            gen = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                              do_sample=False, pad_token_id=pad_id, eos_token_id=None)
-            outs.extend(gen[:, T:].tolist())
+            new = max(chunk_limits)
+            stop = dict(eos_token_id=sorted(eos)) if eos else dict(eos_token_id=None, min_new_tokens=new)
+            gen = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                              pad_token_id=pad_id, **stop)
+            outs.extend(cut(row, limit, eos) for row, limit in zip(gen[:, T:].tolist(), chunk_limits))
     return outs, time.perf_counter() - t0
 
 
-def bench_spillpack(path: Path, prompts, max_tokens: int, batch: int):
+def bench_spillpack(path: Path, prompts, limits: list[int], batch: int, eos):
     from runtime.engines import get_engine
     from runtime.generate import Request
     from runtime.modelref import resolve_model
@@ -80,11 +100,11 @@ def bench_spillpack(path: Path, prompts, max_tokens: int, batch: int):
     model_dir = resolve_model(str(path))
     tok = Tokenizer.from_dir(path)
     engine = get_engine("torch-cuda" if torch.cuda.is_available() else "torch-cpu")
-    gen = engine.generator(model_dir, tok, None, slots=batch, max_len=max(map(len, prompts)) + max_tokens)
-    gen.eos = frozenset()  # generate exactly max_tokens, as transformers does with eos_token_id=None
+    gen = engine.generator(model_dir, tok, None, slots=batch, max_len=max(map(len, prompts)) + max(limits))
+    gen.eos = eos  # empty: generate exactly max_tokens, as transformers does with eos_token_id=None
     t0 = time.perf_counter()
-    for i, ids in enumerate(prompts):
-        gen.add(Request(str(i), ids, max_tokens))
+    for i, (ids, limit) in enumerate(zip(prompts, limits)):
+        gen.add(Request(str(i), ids, limit))
     results = {}
     while gen.active:
         for r in gen.step():
@@ -98,7 +118,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--stop", choices=["length", "mixed"], default="length")
+    ap.add_argument("--threads", type=int, help="torch threads for both sides (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "tiny":
@@ -113,12 +137,18 @@ def main() -> None:
 
         tok = Tokenizer.from_dir(path)
         prompts = prompts_for(tok, args.prompts)
-        ours, t_ours = bench_spillpack(path, prompts, args.max_tokens, args.batch)
-        theirs, t_hf = bench_hf(path, prompts, args.max_tokens, args.batch, tok.pad_token_id or 0)
-    n, gen_tokens = len(prompts), len(prompts) * args.max_tokens
+        if args.stop == "length":
+            limits, eos = [args.max_tokens] * len(prompts), frozenset()
+        else:
+            rng = random.Random(1)
+            limits, eos = [rng.randint(1, args.max_tokens) for _ in prompts], frozenset(tok.eos_token_ids)
+        ours, t_ours = bench_spillpack(path, prompts, limits, args.batch, eos)
+        theirs, t_hf = bench_hf(path, prompts, limits, args.batch, tok.pad_token_id or 0, eos)
+    n, gen_tokens = len(prompts), sum(map(len, ours))
     same = sum(a == b for a, b in zip(ours, theirs))
     report = {
-        "model": args.model, "prompts": n, "max_tokens": args.max_tokens, "batch": args.batch,
+        "model": args.model, "prompts": n, "stop": args.stop, "max_tokens": args.max_tokens, "batch": args.batch,
+        "stopped_at_eos": sum(1 for row in ours if row and row[-1] in eos),
         "device": "cuda" if torch.cuda.is_available() else "cpu", "threads": torch.get_num_threads(),
         "spillpack": {"seconds": round(t_ours, 2), "rows_per_s": round(n / t_ours, 2), "tokens_per_s": round(gen_tokens / t_ours, 1)},
         "transformers": {"seconds": round(t_hf, 2), "rows_per_s": round(n / t_hf, 2), "tokens_per_s": round(gen_tokens / t_hf, 1)},

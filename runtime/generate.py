@@ -6,9 +6,10 @@ a per-request generator seeded from (seed, key), so a row's tokens do not depend
 rows shared its batch: a resumed job reproduces the rows it redoes.
 
 The scheduling here is engine-neutral; what touches the model is a decoder with three
-methods (`prefill(slot, ids) -> (V,) logits`, `decode(last_tokens, idle) -> (slots, V)`,
-`release(slot)`): `TorchDecoder` below, or the one a model provides with `make_decoder`
-(the MLX model does). Logits may be torch tensors or numpy arrays.
+methods (`prefill(slots, prompts) -> (n, V)` logits at each prompt's last token, `decode(slots,
+last_tokens) -> (n, V)` for the running slots only, `release(slot)`): `TorchDecoder` below,
+or the one a model provides with `make_decoder` (the MLX model does). Logits may be torch
+tensors or numpy arrays.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Ge
 
 
 class TorchDecoder:
-    """The torch half of generation: slot prefill and batched decode over one KV cache."""
+    """The torch half of generation: batched prefill and decode over one KV cache of `slots` rows."""
 
     def __init__(self, model, slots: int, max_len: int):
         self.model = model
@@ -80,16 +81,25 @@ class TorchDecoder:
         self.device = self.cache.k.device
 
     @torch.inference_mode()
-    def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
-        self.cache.lengths[slot] = 0  # the slot's old keys are masked out, no need to clear them
-        ids = torch.tensor([prompt_ids], device=self.device)
-        return self.model.logits(self.model.hidden_states(ids, cache=self.cache.row(slot))[:, -1])[0]  # (V,)
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Start each prompt in its slot, right-padded into one forward; (n, V) logits at each prompt's end."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        width = max(map(len, prompts))
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)  # (n, width)
+        view = self.cache.view(slots)
+        view.lengths.zero_()  # the slots' old keys are masked out, no need to clear them
+        hidden = self.model.hidden_states(ids, cache=view)  # (n, width, D)
+        # Pad tokens were written past each prompt's end: a length that stops at the prompt hides them.
+        self.cache.lengths[view.index if view.index is not None else slice(None)] = lengths
+        return self.model.logits(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # (n, V)
 
     @torch.inference_mode()
-    def decode(self, last: list[int], idle: list[bool]) -> torch.Tensor:
-        ids = torch.tensor(last, device=self.device)[:, None]  # (slots, 1)
-        logits = self.model(ids, cache=self.cache)[:, -1]  # (slots, V)
-        self.cache.lengths[torch.tensor(idle, device=self.device)] = 0
+    def decode(self, slots: list[int], last: list[int]) -> torch.Tensor:
+        """One token for each of `slots` (its last token given); (n, V) logits."""
+        view = self.cache.view(slots)
+        logits = self.model(torch.tensor(last, device=self.device)[:, None], cache=view)[:, -1]
+        if view.index is not None:
+            self.cache.lengths[view.index] = view.lengths
         return logits
 
     def release(self, slot: int) -> None:
@@ -97,6 +107,10 @@ class TorchDecoder:
 
 
 class Generator:
+    # A prefill group stops growing when padding would exceed this share of its tokens: one
+    # forward for many prompts saves per-call overhead, padding costs compute.
+    MAX_PAD_SHARE = 0.25
+
     def __init__(self, model, tokenizer, slots: int, max_len: int):
         assert slots >= 1 and max_len >= 2
         self.tokenizer = tokenizer
@@ -128,41 +142,53 @@ class Generator:
         # Slots that are running now decode one token each...
         running = [i for i, r in enumerate(self.rows) if r is not None]
         if running:
-            self._decode(running, finished)
-        # ...and empty slots start pending requests, whose prefill yields their first token.
-        for i in range(self.slots):
-            while self.rows[i] is None and self.pending:
-                self._prefill(i, self.pending.popleft(), finished)
+            logits = self.decoder.decode(running, [self.rows[i].tokens[-1] for i in running])
+            self._push(running, logits, finished)
+        # ...and empty slots start pending requests, whose prefill yields their first token
+        # (a request that finishes there frees its slot for the next one at once).
+        while self.pending and None in self.rows:
+            free = [i for i, r in enumerate(self.rows) if r is None]
+            starting = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
+            starting.sort(key=lambda r: len(r.prompt_ids))
+            for group in self._prefill_groups(starting):
+                slots = [free.pop(0) for _ in group]
+                for slot, req in zip(slots, group):
+                    self.rows[slot] = _Row(req, request_generator(req.seed, req.key) if req.temperature > 0 else None)
+                self._push(slots, self.decoder.prefill(slots, [r.prompt_ids for r in group]), finished)
         return finished
 
-    def _prefill(self, slot: int, req: Request, finished: list[Result]) -> None:
-        logits = self.decoder.prefill(slot, req.prompt_ids)  # (V,)
-        self.rows[slot] = _Row(req, request_generator(req.seed, req.key) if req.temperature > 0 else None)
-        self._push(slot, logits, finished)
+    def _prefill_groups(self, requests: list[Request]) -> list[list[Request]]:
+        """Requests sorted by prompt length, split where right padding to the longest gets costly."""
+        groups: list[list[Request]] = []
+        for req in requests:
+            group = groups[-1] if groups else None
+            if group:
+                real = sum(len(r.prompt_ids) for r in group) + len(req.prompt_ids)
+                if (len(group) + 1) * len(req.prompt_ids) - real <= self.MAX_PAD_SHARE * real:
+                    group.append(req)
+                    continue
+            groups.append([req])
+        return groups
 
-    def _decode(self, running: list[int], finished: list[Result]) -> None:
-        # All slots go through the model (idle ones on a dummy token at position 0) so the cache
-        # keeps its batch shape; the decoder resets idle slots to empty afterwards.
-        last = [self.rows[i].tokens[-1] if self.rows[i] is not None else 0 for i in range(self.slots)]
-        logits = self.decoder.decode(last, [r is None for r in self.rows])  # (slots, V)
-        for i in running:
-            self._push(i, logits[i], finished)
-
-    def _push(self, slot: int, logits: torch.Tensor, finished: list[Result]) -> None:
-        row = self.rows[slot]
-        req = row.request
-        token = sample(logits, req.temperature, req.top_p, row.rng)
-        row.tokens.append(token)
-        reason = "stop" if token in self.eos else "length" if len(row.tokens) >= req.max_tokens else None
-        if reason is None:
-            return
-        text_ids = row.tokens[:-1] if reason == "stop" else row.tokens
-        finished.append(Result(
-            key=req.key, tokens=row.tokens, text=self.tokenizer.decode(text_ids), finish_reason=reason,
-            prompt_tokens=len(req.prompt_ids), completion_tokens=len(row.tokens),
-        ))
-        self.rows[slot] = None
-        self.decoder.release(slot)
+    def _push(self, slots: list[int], logits, finished: list[Result]) -> None:
+        """Each slot's next token from its row of (n, V) logits; finished rows leave their slots."""
+        # Greedy rows take one argmax over the batch (on the device), sampled rows draw their own.
+        greedy = logits.argmax(-1).tolist()
+        for n, slot in enumerate(slots):
+            row = self.rows[slot]
+            req = row.request
+            token = greedy[n] if req.temperature == 0 else sample(logits[n], req.temperature, req.top_p, row.rng)
+            row.tokens.append(token)
+            reason = "stop" if token in self.eos else "length" if len(row.tokens) >= req.max_tokens else None
+            if reason is None:
+                continue
+            text_ids = row.tokens[:-1] if reason == "stop" else row.tokens
+            finished.append(Result(
+                key=req.key, tokens=row.tokens, text=self.tokenizer.decode(text_ids), finish_reason=reason,
+                prompt_tokens=len(req.prompt_ids), completion_tokens=len(row.tokens),
+            ))
+            self.rows[slot] = None
+            self.decoder.release(slot)
 
 
 def generate(model, tokenizer, prompts, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,

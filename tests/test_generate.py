@@ -53,6 +53,24 @@ def test_greedy_matches_transformers(arch, tmp_path):
     assert [r.prompt_tokens for r in got] == [len(p) for p in prompts]
 
 
+def test_rows_of_different_lengths_match_transformers(qwen):
+    """Rows end at different steps: slots idle, refill and prefill together; each row is still
+    the prefix of transformers' greedy output for its prompt."""
+    model, tok, hf = qwen
+    prompts = [tok.encode(p) for p in PROMPTS] * 2
+    limits = [3, 12, 1, 7, 10, 2, 12, 5]
+    expected = hf_greedy(hf, prompts, 12, tok.pad_token_id)
+    tok_free = Tokenizer.from_dir(tok.path)
+    tok_free.eos_token_ids = frozenset()
+    gen = Generator(model, tok_free, slots=3, max_len=64)
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        gen.add(Request(str(i), p, max_tokens=n))
+    got = {}
+    while gen.active:
+        got.update({r.key: r.tokens for r in gen.step()})
+    assert [got[str(i)] for i in range(len(prompts))] == [e[:n] for e, n in zip(expected, limits)]
+
+
 def test_stop_on_eos(qwen):
     model, tok, _ = qwen
     prompt = tok.encode(PROMPTS[0])

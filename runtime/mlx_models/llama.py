@@ -41,13 +41,22 @@ class KVCache:
         view.rows = self.rows[b : b + 1]
         return view
 
+    def view(self, slots: list[int]) -> "KVCache":
+        """Some slots, in the given order, as one batch. Its lengths are a copy (fancy indexing):
+        the caller stores them back with `self.lengths[slots] = view.lengths` after a forward."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v, view.max_len = self.k, self.v, self.max_len
+        view.rows = np.array(slots)
+        view.lengths = self.lengths[view.rows]
+        return view
+
     def write(self, layer: int, k, v, slots: np.ndarray, span: int):
         """Store k, v (B, kv_heads, T, head_dim) at positions `slots` (B, T); return (B, kv_heads, span, head_dim)."""
         rows = mx.array(self.rows[:, None])  # (B, 1)
         pos = mx.array(slots)  # (B, T)
         self.k[layer][rows, pos] = k.transpose(0, 2, 1, 3)  # target (B, T, kv_heads, head_dim)
         self.v[layer][rows, pos] = v.transpose(0, 2, 1, 3)
-        if len(self.rows) == self.k[layer].shape[0]:
+        if len(self.rows) == self.k[layer].shape[0] and (self.rows == np.arange(len(self.rows))).all():
             keys, values = self.k[layer][:, :span], self.v[layer][:, :span]
         else:
             sel = mx.array(self.rows)
@@ -178,14 +187,23 @@ class Decoder:
         self.model = model
         self.cache = model.make_cache(slots, max_len)
 
-    def prefill(self, slot: int, prompt_ids: list[int]) -> np.ndarray:
-        self.cache.lengths[slot] = 0  # the slot's old keys are masked out, no need to clear them
-        hidden = self.model.hidden_states(mx.array([prompt_ids]), cache=self.cache.row(slot))
-        return np.array(self.model.logits(hidden[0, -1]).astype(mx.float32))  # (V,)
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> np.ndarray:
+        """Each prompt into its slot, right-padded into one forward; (n, V) logits at each prompt's end."""
+        lengths = np.array([len(p) for p in prompts])
+        width = int(lengths.max())
+        ids = mx.array([p + [0] * (width - len(p)) for p in prompts])  # (n, width)
+        view = self.cache.view(slots)
+        view.lengths[:] = 0  # the slots' old keys are masked out, no need to clear them
+        hidden = self.model.hidden_states(ids, cache=view)  # (n, width, D)
+        self.cache.lengths[view.rows] = lengths  # pad tokens were written past each prompt's end
+        last = hidden[mx.arange(len(prompts)), mx.array(lengths - 1)]  # (n, D)
+        return np.array(self.model.logits(last).astype(mx.float32))
 
-    def decode(self, last: list[int], idle: list[bool]) -> np.ndarray:
-        logits = self.model(mx.array(last)[:, None], cache=self.cache)[:, -1]  # (slots, V)
-        self.cache.lengths[np.array(idle, dtype=bool)] = 0
+    def decode(self, slots: list[int], last: list[int]) -> np.ndarray:
+        """One token for each of `slots` (its last token given); (n, V) logits."""
+        view = self.cache.view(slots)
+        logits = self.model(mx.array(last)[:, None], cache=view)[:, -1]  # (n, V)
+        self.cache.lengths[view.rows] = view.lengths
         return np.array(logits.astype(mx.float32))
 
     def release(self, slot: int) -> None:
