@@ -58,7 +58,9 @@ class Store:
         return None
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _temp_beside(path: Path, data: bytes) -> str:
+    """A complete, synced private copy of `data` next to `path` (same filesystem, so it can
+    be renamed or linked into place); list() never shows it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -66,6 +68,15 @@ def _atomic_write(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        _unlink(tmp)
+        raise
+    return tmp
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = _temp_beside(path, data)
+    try:
         os.replace(tmp, path)
     except BaseException:
         _unlink(tmp)
@@ -112,13 +123,8 @@ class LocalStore(Store):
         # Write a private temp file, then hard-link it into place: link() fails if the
         # name exists, so exactly one racing writer wins and the winner's file is complete.
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        tmp = _temp_beside(path, data)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             os.link(tmp, path)
             return True
         except FileExistsError:
