@@ -144,9 +144,10 @@ class Generator:
         if running:
             logits = self.decoder.decode(running, [self.rows[i].tokens[-1] for i in running])
             self._push(running, logits, finished)
-        # ...and empty slots start pending requests, whose prefill yields their first token
-        # (a request that finishes there frees its slot for the next one at once).
-        while self.pending and None in self.rows:
+        # ...and empty slots start pending requests, whose prefill yields their first token.
+        # One round per step, even when requests finish at their prefill: a step is the
+        # quantum a preemption may abandon and after which rows are committed, so it stays bounded.
+        if self.pending and None in self.rows:
             free = [i for i, r in enumerate(self.rows) if r is None]
             starting = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
             starting.sort(key=lambda r: len(r.prompt_ids))

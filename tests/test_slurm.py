@@ -25,7 +25,7 @@ cluster = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cluster)
 
 # Long enough to be still running when the preemption lands, short enough for the suite.
-JOB = ["--steps", "40", "--batch", "1", "--max-seq", "96", "--ckpt-every", "10", "--lr", "1e-3", "--name", "mine"]
+JOB = ["--steps", "400", "--batch", "1", "--max-seq", "96", "--ckpt-every", "25", "--lr", "1e-3", "--name", "mine"]
 VENV_BIN = str(Path(sys.executable).parent)
 
 
@@ -144,7 +144,7 @@ def test_preempted_job_requeues_resumes_and_equals_an_uninterrupted_run(slurm, p
     if how == "scancel-signal-batch":
         assert "requeueing job" in text and "refused" not in text  # the script's own scontrol requeue did it
     done = events[-1]
-    assert done["event"] == "done" and done["complete"] and done["steps"] == 40
+    assert done["event"] == "done" and done["complete"] and done["steps"] == 400
     got = adapter(state)
     assert sorted(got) == sorted(reference)
     for k in got:
