@@ -279,3 +279,30 @@ def test_missing_torch_is_one_line(phome, data, tmp_path, tiny_home):
     home = new_home(tmp_path, tiny_home, "node")
     r = run_bundle(tmp_path / "b", env=clean_env(home, {"PATH": "/usr/bin:/bin"}))
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "has no torch" in r.stderr and "--with-torch cpu" in r.stderr
+
+
+@pytest.mark.slow
+def test_with_torch_installs_its_wheels_on_first_start_and_runs_without_a_system_torch(phome, data, tmp_path, tiny_home):
+    """--with-torch cpu on a node whose python3 has no torch: the bundle's own wheels are
+    unpacked into the bundle on first start (never into the system) and the job runs."""
+    if not Path("/usr/bin/python3").exists() or subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip("needs a python3 without torch")
+    if subprocess.run(["/usr/bin/python3", "-c", "import sys; assert sys.version_info[:2] == %r" % (sys.version_info[:2],)]).returncode:
+        pytest.skip("needs a torch-less python3 of this version")
+    r = pack(["tune", "tiny", str(data), *JOB, "-o", str(tmp_path / "b"), "--with-torch", "cpu"], timeout=900)
+    assert r.returncode == 0, r.stderr
+    wheels = sorted(p.name for p in (tmp_path / "b" / "wheels").rglob("*.whl"))
+    assert any(w.startswith("torch-") for w in wheels), wheels
+    home = new_home(tmp_path, tiny_home, "node")
+    env = clean_env(home, {"PATH": "/usr/bin:/bin"})
+    r = run_bundle(tmp_path / "b", env=env)
+    assert r.returncode == 0, r.stderr
+    done = json.loads(r.stdout.strip().splitlines()[-1])
+    assert done["event"] == "done" and done["complete"] and done["steps"] == 4
+    assert subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True).returncode != 0  # system untouched
+    # The second start finds the installed torch and does not unpack again.
+    installed = sorted((tmp_path / "b" / ".spillpack").iterdir())
+    stamp = {p: p.stat().st_mtime_ns for p in installed}
+    r = run_bundle(tmp_path / "b", env=env)
+    assert r.returncode == 0, r.stderr
+    assert {p: p.stat().st_mtime_ns for p in installed} == stamp
