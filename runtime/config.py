@@ -51,7 +51,10 @@ def read_config(path: str) -> dict:
         raise SpillpackError(f"cannot read config {path}: {e.strerror}", f"spillpack tune tiny data.jsonl --emit-config {path}")
     try:
         if p.suffix == ".toml":
-            import tomllib
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib
 
             data = tomllib.loads(raw.decode())
         else:
