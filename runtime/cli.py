@@ -6,6 +6,7 @@ from the error, traceback only with --debug.
 """
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -76,8 +77,10 @@ def main(argv: list[str] | None = None, extra: dict | None = None) -> int:
         module = {**OTHER_COMMANDS, **(extra or {})}[command][0]
         return importlib.import_module(module).main(ns, events)
     except UsageError as e:
-        if command and e.try_ == "spillpack --help":  # argparse reports a subcommand's stray flags at the top
-            e = UsageError(e.what, f"spillpack {command} --help")
+        if command and e.try_ == "spillpack --help":  # argparse reports a subcommand's errors at the top
+            known = [*JOB_COMMANDS, *OTHER_COMMANDS, *(extra or {})]
+            near = command if command in known else next(iter(difflib.get_close_matches(command, known, n=1)), None)
+            e = UsageError(e.what, f"spillpack {near} --help" if near else "spillpack --help")
         return _fail(e, events, debug)
     except SpillpackError as e:
         return _fail(e, events, debug)

@@ -83,3 +83,9 @@ def test_models_lists_tags_and_tiny(home):
     rows = {row["name"]: row for row in events_of(r.stdout)}
     assert rows["tiny"]["here"] == str(home / "models" / "tiny")
     assert rows["qwen2.5:0.5b"]["arch"] == "qwen2" and rows["qwen2.5:0.5b"]["here"] is None
+
+
+def test_a_mistyped_command_suggests_the_nearest():
+    r = run_cli(["tnue", "tiny", "x.jsonl"])
+    assert r.returncode == 2
+    assert r.stderr.strip().endswith("Try: spillpack tune --help")
