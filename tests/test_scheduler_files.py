@@ -41,7 +41,7 @@ def sky_python() -> str | None:
 def sky_parse(path: Path) -> dict:
     py = sky_python()
     if py is None:
-        pytest.skip("skypilot is not installed: make setup-sky (or SPILLPACK_SKY_PYTHON=python-with-skypilot)")
+        pytest.skip("skypilot is not installed: make setup builds .venv-sky (or SPILLPACK_SKY_PYTHON=python-with-skypilot)")
     r = subprocess.run([py, str(REPO / "tests/sky_parse.py"), str(path)], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise AssertionError(f"sky.Task.from_yaml refused {path.name}:\n{r.stderr[-3000:]}")
