@@ -8,13 +8,12 @@ from the error, traceback only with --debug.
 import argparse
 import difflib
 import importlib
-import os
 import sys
 import traceback
 
 from . import __version__
 from .config import Invocation, resolve, write_config
-from .errors import EXIT_ERROR, SpillpackError, UsageError
+from .errors import SpillpackError, UsageError
 from .events import Events, headless_wanted
 from .options import JOB_COMMANDS, options_for
 

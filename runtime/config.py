@@ -6,13 +6,12 @@ config means the same job on every machine and every later version of spillpack.
 """
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import SpillpackError, UsageError
 from .options import JOB_COMMANDS, options_for
+from .store import atomic_write
 
 CONFIG_VERSION = 1
 
@@ -41,6 +40,14 @@ class Invocation:
         if name in self.arguments:
             return self.arguments[name]
         return self.options.get(name)
+
+
+def default_name(inv: "Invocation", uri_arg: str) -> None:
+    """Name a job after its command and its main input when --name is not given:
+    `tune-train` for train.jsonl, `build-data` for a folder."""
+    if not inv.options.get("name"):
+        last = str(inv.arguments[uri_arg]).rstrip("/").rsplit("/", 1)[-1]
+        inv.options["name"] = f"{inv.command}-{Path(last).stem or 'job'}"
 
 
 def read_config(path: str) -> dict:
@@ -94,11 +101,7 @@ def write_config(inv: Invocation, path: str) -> None:
         text = tomli_w.dumps(data)
     else:
         text = json.dumps(data, indent=2) + "\n"
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, p)
+    atomic_write(p, text.encode())
 
 
 def resolve(command: str, given: dict, config_path: str | None, config: dict | None = None) -> tuple[dict, dict]:

@@ -7,26 +7,23 @@ job resumed on another machine or engine sees exactly the batches it would have 
 import hashlib
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from urllib.parse import urlparse
 
 import numpy as np
 import orjson
 
 from .errors import SpillpackError
-from .store import open_store
+from .store import local_file, open_store
 
 
 def read_bytes(uri: str, what: str = "data") -> bytes:
     """The whole file behind a path, file:// or s3:// URI."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "s3":
+    path = local_file(uri)
+    if path is None:
         parent, _, name = uri.rstrip("/").rpartition("/")
         data = open_store(parent).read(name)
         if data is None:
             raise SpillpackError(f"{what} {uri} does not exist", f"aws s3 ls {parent}/")
         return data
-    path = Path(parsed.path if parsed.scheme == "file" else uri).expanduser()
     try:
         data = path.read_bytes()
     except FileNotFoundError:

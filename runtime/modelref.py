@@ -10,6 +10,7 @@ from pathlib import Path
 
 from runtime.errors import SpillpackError
 from runtime.paths import spillpack_home
+from runtime.store import local_file
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -65,22 +66,19 @@ def read_safetensors_header(f: Path) -> bytes:
     return header
 
 
-def local_path(uri: str, kind: str = "weights") -> Path | None:
-    """A local path for a URI, or None for a scheme this machine cannot read.
+def local_path(uri: str, kind: str = "weights") -> Path:
+    """A local path for a URI: a path or file:// as it is, an s3:// prefix staged locally.
 
-    The one place that knows about URI schemes: s3:// prefixes are staged into the local
-    cache (downloaded once per ETag and size; see runtime/staging.py), `kind` naming the
-    cache ("weights", "adapters").
+    s3:// prefixes are staged into the local cache (downloaded once per ETag and size; see
+    runtime/staging.py), `kind` naming the cache ("weights", "adapters"); everything else is
+    parsed by the store's `local_file`.
     """
-    if uri.startswith("s3://"):
+    path = local_file(uri)
+    if path is None:
         from runtime.staging import stage
 
         return stage(uri, kind)
-    if uri.startswith("file://"):
-        return Path(uri[len("file://") :]).expanduser()
-    if "://" in uri:
-        return None
-    return Path(uri).expanduser()
+    return path
 
 
 def resolve_model(ref: str, weights: str | None = None) -> ModelDir:
@@ -91,7 +89,7 @@ def resolve_model(ref: str, weights: str | None = None) -> ModelDir:
     if ref in TAGS:
         return validate(find_tag(ref, weights), TAGS[ref])
     path = local_path(ref)
-    if path is not None and path.is_dir():
+    if path.is_dir():
         return validate(path)
     if ":" in ref and "/" not in ref and "://" not in ref:
         known = ", ".join(["tiny", *TAGS])
@@ -106,11 +104,6 @@ def find_tag(tag: str, weights: str | None) -> Path:
     looked = []
     if weights is not None:
         path = local_path(weights)
-        if path is None:
-            raise SpillpackError(
-                f"--weights {weights}: only local paths, file:// and s3:// URIs can be read here",
-                f"--weights /path/to/{tag_dirname(tag)}",
-            )
         if path.is_dir():
             return path
         looked.append(f"--weights {weights}")

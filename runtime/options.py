@@ -4,7 +4,7 @@ One table drives the argument parser, `--emit-config` (every default written out
 and `--config` (options given next to it win), so the three cannot drift apart.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

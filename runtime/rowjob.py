@@ -15,13 +15,12 @@ and the input, what a row must carry, what goes into the job's identity, and the
 import hashlib
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import orjson
 
 from .adapter import load_adapter
-from .config import Invocation
+from .config import Invocation, default_name
 from .data import read_bytes, sha256
 from .engines import get_engine
 from .errors import SpillpackError, UsageError
@@ -55,9 +54,7 @@ class RowTask:
 
 
 def finish_invocation(inv: Invocation, input_arg: str) -> None:
-    if not inv.options.get("name"):
-        stem = Path(str(inv.arguments[input_arg]).rstrip("/").rsplit("/", 1)[-1]).stem or "rows"
-        inv.options["name"] = f"{inv.command}-{stem}"
+    default_name(inv, input_arg)
 
 
 def _validate(command: str, o: dict) -> None:
@@ -80,9 +77,7 @@ def adapter_for(uri: str | None):
     """(tensors, spec) and a fingerprint of the adapter's files, or (None, None)."""
     if not uri:
         return None, None
-    path = local_path(uri)
-    if path is None:
-        raise SpillpackError(f"adapter {uri}: only local adapter directories can be read here", "--adapter /path/to/adapter")
+    path = local_path(uri, "adapters")
     tensors, spec = load_adapter(path)
     h = hashlib.sha256()
     for name in ("adapter_config.json", "adapter_model.safetensors"):

@@ -19,7 +19,7 @@ import orjson
 
 from .errors import SpillpackError
 from .paths import spillpack_home
-from .store import _atomic_write, open_store
+from .store import atomic_write, open_store
 
 MANIFEST = ".staged.json"
 
@@ -49,14 +49,14 @@ def stage(uri: str, kind: str = "weights") -> Path:
             if manifest.get(key) == entry and path.is_file() and path.stat().st_size == size:
                 continue
             manifest.pop(key, None)
-            _atomic_write(dest / MANIFEST, orjson.dumps(manifest))  # the old entry no longer vouches for the file
+            atomic_write(dest / MANIFEST, orjson.dumps(manifest))  # the old entry no longer vouches for the file
             if not store.get_file(key, path):
                 raise SpillpackError(f"{store.child_uri(key)} disappeared while staging {uri}", "run the command again")
             if path.stat().st_size != size:
                 path.unlink()
                 raise SpillpackError(f"{store.child_uri(key)} changed while staging {uri}", "run the command again")
             manifest[key] = entry
-            _atomic_write(dest / MANIFEST, orjson.dumps(manifest, option=orjson.OPT_SORT_KEYS))
+            atomic_write(dest / MANIFEST, orjson.dumps(manifest, option=orjson.OPT_SORT_KEYS))
         (dest / ".uri").write_text(uri + "\n")  # for a person looking at the cache
     return dest
 

@@ -47,7 +47,7 @@ class Store:
         data = self.read(key)
         if data is None:
             return False
-        _atomic_write(Path(path), data)
+        atomic_write(Path(path), data)
         return True
 
     def child_uri(self, key: str) -> str:
@@ -74,7 +74,7 @@ def _temp_beside(path: Path, data: bytes) -> str:
     return tmp
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     tmp = _temp_beside(path, data)
     try:
         os.replace(tmp, path)
@@ -117,7 +117,7 @@ class LocalStore(Store):
             return None
 
     def write(self, key, data):
-        _atomic_write(self._path(key), data)
+        atomic_write(self._path(key), data)
 
     def create(self, key, data):
         # Write a private temp file, then hard-link it into place: link() fails if the
@@ -180,18 +180,27 @@ class LocalStore(Store):
         return True
 
 
+def local_file(uri: str) -> Path | None:
+    """The path a local path or file:// URI names; None for s3://. The one place that parses
+    URI schemes: everything that takes a URI comes through here or open_store."""
+    if "://" not in uri:  # a path, even with a colon in it (tags such as qwen2.5:0.5b are not URIs)
+        return Path(uri).expanduser()
+    scheme = uri.split("://", 1)[0]
+    if scheme == "s3":
+        return None
+    if scheme == "file":
+        return Path(urlparse(uri).path).expanduser()
+    raise SpillpackError(f"unsupported URI scheme {scheme}:// in {uri}", "a local path, file:///path or s3://bucket/prefix")
+
+
 def open_store(uri: str) -> Store:
     """A path, file:// URI or s3:// URI, the same everywhere a URI is taken."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "s3":
+    path = local_file(uri)
+    if path is None:
         from .s3 import S3Store
 
         return S3Store(uri)
-    if parsed.scheme == "file":
-        return LocalStore(Path(parsed.path), uri)
-    if parsed.scheme and len(parsed.scheme) > 1:
-        raise SpillpackError(f"unsupported URI scheme {parsed.scheme}:// in {uri}", "a local path, file:///path or s3://bucket/prefix")
-    return LocalStore(Path(uri).expanduser().absolute(), uri)
+    return LocalStore(path.absolute(), uri)
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -103,3 +103,17 @@ def test_file_uri(tmp_path):
     assert store.create("k", b"1") and not store.create("k", b"2")
     assert store.read("k") == b"1"
     assert store.list("") == ["k"]
+
+
+def test_uri_schemes_are_parsed_in_one_place(tmp_path):
+    from pathlib import Path
+
+    from runtime.store import local_file
+
+    assert local_file("qwen2.5:0.5b") == Path("qwen2.5:0.5b")  # a tag or a path with a colon, not a URI
+    assert local_file(f"file://{tmp_path}/x") == tmp_path / "x"
+    assert local_file("s3://bucket/key") is None
+    with pytest.raises(SpillpackError, match=r"unsupported URI scheme http:// in http://example/x"):
+        local_file("http://example/x")
+    with pytest.raises(SpillpackError, match="unsupported URI scheme"):
+        open_store("gs://bucket/state")

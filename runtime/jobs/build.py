@@ -12,11 +12,11 @@ import importlib
 
 import orjson
 
-from ..config import Invocation, resolve
+from ..config import Invocation, default_name, resolve
 from ..data import read_bytes, sha256
 from ..errors import EXIT_OK, SpillpackError
 from ..jobcore import Job
-from ..modelref import local_path
+from ..store import local_file
 from ..rowjob import RESULTS
 
 STAGES = ("eval-base", "distill", "tune", "eval-tuned")
@@ -25,8 +25,7 @@ TUNE_DATA = "data/tune.jsonl"
 
 
 def finish_invocation(inv) -> None:
-    if not inv.options.get("name"):
-        inv.options["name"] = "build-" + (str(inv.arguments["folder"]).rstrip("/").rsplit("/", 1)[-1] or "folder")
+    default_name(inv, "folder")
 
 
 class StageEvents:
@@ -61,7 +60,7 @@ def _stop_point(value) -> tuple[str | None, int | None]:
 
 def _folder_files(folder: str) -> dict[str, bytes]:
     base = str(folder).rstrip("/")
-    path = local_path(base)
+    path = local_file(base)
     if path is not None and not path.is_dir():
         raise SpillpackError(f"build folder {folder} does not exist or is not a directory", f"ls {folder}")
     files = {}

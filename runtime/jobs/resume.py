@@ -14,7 +14,7 @@ import orjson
 
 from ..config import Invocation, check_config, read_config, resolve
 from ..errors import SpillpackError
-from ..modelref import local_path
+from ..store import local_file
 from ..store import open_store
 
 
@@ -35,7 +35,7 @@ def find_config(target: str, state: str | None) -> tuple[dict, Path | None]:
                 return check_config(orjson.loads(raw), f"{uri}/invocation.json"), None
             except orjson.JSONDecodeError:
                 raise SpillpackError(f"{uri}/invocation.json is damaged", f"spillpack <command> ... --state {uri}")
-    path = local_path(target)
+    path = local_file(target)
     if path is not None and (path / "files" / "job.json").is_file():
         return read_config(str(path / "files" / "job.json")), path
     if path is not None and path.is_file():

@@ -7,7 +7,6 @@ losses so far; the data cursor is the step itself, since the batch order is a pu
 function of (seed, epoch, step).
 """
 
-import io
 import json
 import math
 import shutil
@@ -15,13 +14,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import orjson
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 from safetensors.numpy import save_file as st_save_file
 
-from ..adapter import LoraSpec, init_tensors, save_adapter, spec_dict
+from ..adapter import LoraSpec, init_tensors, save_adapter
+from ..config import default_name
 from ..data import BatchOrder, collate, load_train_data
 from ..engines import OptimSpec, get_engine
 from ..errors import SpillpackError
@@ -36,17 +35,12 @@ CHECKPOINT_META = "meta.json"
 
 
 def finish_invocation(inv) -> None:
-    o, a = inv.options, inv.arguments
+    o = inv.options
     if o.get("alpha") is None:
         o["alpha"] = 2.0 * o["rank"]
-    if not o.get("name"):
-        o["name"] = "tune-" + _stem(a["data"])
+    default_name(inv, "data")
     if o.get("steps") is None and o.get("epochs") is None:
         o["epochs"] = 1.0
-
-
-def _stem(uri: str) -> str:
-    return Path(uri.rstrip("/").rsplit("/", 1)[-1]).stem or "job"
 
 
 def validate(o: dict) -> None:
