@@ -22,13 +22,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.adapter import LoraSpec, init_tensors  # noqa: E402
+from runtime.models.lora import LoraSpec, init_tensors  # noqa: E402
 from runtime.engines import OptimSpec, get_engine  # noqa: E402
-from runtime.generate import Request  # noqa: E402
-from runtime.hardware import ENGINE_NAMES, probe  # noqa: E402
-from runtime.modelref import resolve_model  # noqa: E402
-from runtime.tiny import ensure_tiny  # noqa: E402
-from runtime.tokenizer import Tokenizer  # noqa: E402
+from runtime.generation import Request  # noqa: E402
+from runtime.engines.hardware import ENGINE_NAMES, probe  # noqa: E402
+from runtime.models.ref import resolve_model  # noqa: E402
+from runtime.models.tiny import ensure_tiny  # noqa: E402
+from runtime.models.tokenizer import Tokenizer  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

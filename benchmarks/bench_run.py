@@ -34,7 +34,7 @@ import torch
 def make_qwen05_shape(out: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from runtime.tiny import ensure_tiny
+    from runtime.models.tiny import ensure_tiny
 
     out.mkdir(parents=True, exist_ok=True)
     cfg = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -49,7 +49,7 @@ def make_qwen05_shape(out: Path) -> Path:
 
 
 def prompts_for(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
-    from runtime.tiny import ensure_tiny
+    from runtime.models.tiny import ensure_tiny
 
     words = (Path(__file__).resolve().parent.parent / "runtime/tiny_corpus.txt").read_text().split()
     rng = random.Random(seed)
@@ -93,9 +93,9 @@ def bench_hf(path: Path, prompts, limits: list[int], batch: int, pad_id: int, eo
 
 def bench_spillpack(path: Path, prompts, limits: list[int], batch: int, eos):
     from runtime.engines import get_engine
-    from runtime.generate import Request
-    from runtime.modelref import resolve_model
-    from runtime.tokenizer import Tokenizer
+    from runtime.generation import Request
+    from runtime.models.ref import resolve_model
+    from runtime.models.tokenizer import Tokenizer
 
     model_dir = resolve_model(str(path))
     tok = Tokenizer.from_dir(path)
@@ -126,14 +126,14 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "tiny":
-            from runtime.tiny import ensure_tiny
+            from runtime.models.tiny import ensure_tiny
 
             path = ensure_tiny()
         elif args.model == "qwen0.5b-shape":
             path = make_qwen05_shape(Path(tmp) / "qwen05")
         else:
             path = Path(args.model)
-        from runtime.tokenizer import Tokenizer
+        from runtime.models.tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(path)
         prompts = prompts_for(tok, args.prompts)

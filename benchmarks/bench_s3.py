@@ -3,7 +3,7 @@
 One run starts moto's S3 server in its own process on 127.0.0.1, then times, alternating and
 `--repeat` times each (best kept):
   checkpoint upload   S3Store.write(key, bytes)      vs  aws s3 cp FILE s3://...
-  weight staging      runtime.staging.stage(uri)     vs  aws s3 cp --recursive s3://... DIR
+  weight staging      runtime.state.staging.stage(uri)     vs  aws s3 cp --recursive s3://... DIR
 Both sides run as fresh processes (interpreter and library start-up included, as a user pays
 it), and spillpack's in-process transfer time is reported beside them.
 
@@ -29,11 +29,11 @@ from pathlib import Path
 what, uri, path = sys.argv[1:4]
 t0 = time.perf_counter()
 if what == "upload":
-    from runtime.store import open_store
+    from runtime.state.store import open_store
     parent, _, name = uri.rpartition("/")
     open_store(parent).write(name, Path(path).read_bytes())
 else:
-    from runtime.staging import stage
+    from runtime.state.staging import stage
     stage(uri)
 print(time.perf_counter() - t0)
 """

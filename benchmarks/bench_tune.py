@@ -35,13 +35,13 @@ WORDS = "the a of to and in is it you that he was for on are with as his they be
 
 def make_model(shape: str, out: Path) -> Path:
     if shape == "tiny":
-        from runtime.tiny import ensure_tiny
+        from runtime.models.tiny import ensure_tiny
 
         return ensure_tiny()
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from runtime.tiny import ensure_tiny
+    from runtime.models.tiny import ensure_tiny
 
     if (out / "config.json").exists():
         return out
@@ -87,8 +87,8 @@ import json, resource, sys, time
 import numpy as np, torch, peft
 from transformers import AutoModelForCausalLM
 sys.path.insert(0, sys.argv[1])
-from runtime.data import BatchOrder, collate, load_train_data
-from runtime.tokenizer import Tokenizer
+from runtime.data.train import BatchOrder, collate, load_train_data
+from runtime.models.tokenizer import Tokenizer
 model_path, data, steps, batch, rank, targets, max_seq = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7].split(","), int(sys.argv[8])
 tok = Tokenizer.from_dir(model_path)
 d = load_train_data(data, tok, max_seq)

@@ -39,11 +39,11 @@ echo "== logits and greedy generation: torch-cuda against torch-cpu on tiny"
 $PY - <<'PYEOF'
 import torch
 from runtime.engines import get_engine
-from runtime.generate import generate
-from runtime.modelref import resolve_model
-from runtime.models import load_model
-from runtime.tiny import ensure_tiny
-from runtime.tokenizer import Tokenizer
+from runtime.generation import generate
+from runtime.models.ref import resolve_model
+from runtime.engines.torch.models import load_model
+from runtime.models.tiny import ensure_tiny
+from runtime.models.tokenizer import Tokenizer
 md = resolve_model(str(ensure_tiny()))
 ids = torch.randint(0, md.config["vocab_size"], (4, 64), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
@@ -58,7 +58,7 @@ prompts = [tok.encode_prompt([{"role": "user", "content": p}])
 cpu = [r.tokens for r in generate(load_model(md), tok, prompts, max_tokens=16, batch=4)]
 gpu32 = [r.tokens for r in generate(load_model(md, device="cuda"), tok, prompts, max_tokens=16, batch=4)]
 gen = get_engine("torch-cuda").generator(md, tok, slots=4, max_len=128)
-from runtime.generate import Request
+from runtime.generation import Request
 for i, p in enumerate(prompts):
     gen.add(Request(str(i), p, 16))
 out = {}

@@ -1,3 +1,3 @@
-from .cli import entry
+from runtime.cli import entry
 
 entry()

@@ -11,17 +11,17 @@ import importlib
 import sys
 import traceback
 
-from . import __version__
-from .config import Invocation, resolve, write_config
-from .errors import SpillpackError, UsageError
-from .events import Events, headless_wanted
-from .options import JOB_COMMANDS, options_for
+from runtime import __version__
+from runtime.config.invocation import Invocation, resolve, write_config
+from runtime.errors import SpillpackError, UsageError
+from runtime.core.events import Events, headless_wanted
+from runtime.config.options import JOB_COMMANDS, options_for
 
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {
-    "doctor": ("runtime.doctor", "this machine: Python, engines, memory, disk"),
-    "resume": ("runtime.jobs.resume", "continue an interrupted job from its state, bundle or config"),
-    "status": ("runtime.jobs.status", "the story of a job from its state: processes, checkpoints, interruptions"),
+    "doctor": ("runtime.commands.doctor", "this machine: Python, engines, memory, disk"),
+    "resume": ("runtime.commands.resume", "continue an interrupted job from its state, bundle or config"),
+    "status": ("runtime.commands.status", "the story of a job from its state: processes, checkpoints, interruptions"),
 }
 
 
@@ -112,7 +112,7 @@ def _run_job(command: str, ns: dict, events: Events) -> int:
         write_config(inv, emit_path)
         events.say(f"wrote {emit_path}; run it with: spillpack {command} --config {emit_path}")
         return 0
-    from . import bundle
+    from runtime import bootstrap as bundle
 
     bundle.localize(inv.arguments)  # no-op outside a bundle: its files/... paths become absolute
     bundle.localize(inv.options)

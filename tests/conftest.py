@@ -29,7 +29,7 @@ def tiny_home(tmp_path_factory) -> Path:
     old = os.environ.get("SPILLPACK_HOME")
     os.environ["SPILLPACK_HOME"] = str(home)
     try:
-        from runtime.tiny import ensure_tiny
+        from runtime.models.tiny import ensure_tiny
 
         ensure_tiny()
     finally:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.tiny import ensure_tiny
+from runtime.models.tiny import ensure_tiny
 
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}"

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from runtime.errors import SpillpackError
-from runtime.generate import Generator, Request, generate
-from runtime.modelref import resolve_model
-from runtime.models import load_model
-from runtime.tokenizer import Tokenizer
+from runtime.generation import Generator, Request, generate
+from runtime.models.ref import resolve_model
+from runtime.engines.torch.models import load_model
+from runtime.models.tokenizer import Tokenizer
 from tests.hf_fixtures import make_llama, make_qwen2
 
 

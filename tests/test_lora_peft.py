@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from hf_fixtures import make_llama, make_qwen2
-from runtime.adapter import LoraSpec, init_tensors, load_adapter, save_adapter
-from runtime.data import Example, collate
+from runtime.models.lora import LoraSpec, init_tensors, load_adapter, save_adapter
+from runtime.data.train import Example, collate
 from runtime.engines import OptimSpec, get_engine
-from runtime.modelref import resolve_model
+from runtime.models.ref import resolve_model
 
 peft = pytest.importorskip("peft")
 

@@ -12,14 +12,14 @@ pytest.importorskip("mlx.core")
 
 import mlx.core as mx  # noqa: E402
 
-from runtime.adapter import LoraSpec, init_tensors  # noqa: E402
+from runtime.models.lora import LoraSpec, init_tensors  # noqa: E402
 from runtime.engines import OptimSpec, get_engine  # noqa: E402
-from runtime.generate import generate  # noqa: E402
-from runtime.mlx_models import load_model as mlx_load  # noqa: E402
-from runtime.modelref import resolve_model  # noqa: E402
-from runtime.models import load_model as torch_load  # noqa: E402
-from runtime.tiny import ensure_tiny  # noqa: E402
-from runtime.tokenizer import Tokenizer  # noqa: E402
+from runtime.generation import generate  # noqa: E402
+from runtime.engines.mlx.models import load_model as mlx_load  # noqa: E402
+from runtime.models.ref import resolve_model  # noqa: E402
+from runtime.engines.torch.models import load_model as torch_load  # noqa: E402
+from runtime.models.tiny import ensure_tiny  # noqa: E402
+from runtime.models.tokenizer import Tokenizer  # noqa: E402
 from tests.conftest import events_of, run_cli  # noqa: E402
 from tests.hf_fixtures import make_llama, make_qwen2  # noqa: E402
 
@@ -99,7 +99,7 @@ def test_generator_with_adapter_matches_torch(models):
 
 
 def generate_with(gen, prompts):
-    from runtime.generate import Request
+    from runtime.generation import Request
 
     for i, p in enumerate(prompts):
         gen.add(Request(str(i), p, max_tokens=8))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from runtime.modelref import resolve_model
-from runtime.models import load_model
+from runtime.models.ref import resolve_model
+from runtime.engines.torch.models import load_model
 from tests.hf_fixtures import make_llama, make_qwen2
 
 TOL = 1e-4
@@ -107,7 +107,7 @@ def test_bfloat16_load(tmp_path):
 
 
 def test_llama3_rope_scaling_is_applied(tmp_path):
-    from runtime.models.llama import ModelArgs, rope_inv_freq
+    from runtime.engines.torch.models.llama import ModelArgs, rope_inv_freq
 
     path, hf = make_llama(tmp_path / "l")
     args = ModelArgs.from_dict(resolve_model(str(path)).config)
@@ -118,7 +118,7 @@ def test_llama3_rope_scaling_is_applied(tmp_path):
 
 
 def test_model_args_fill_derived_defaults():
-    from runtime.models import qwen2
+    from runtime.engines.torch.models import qwen2
 
     args = qwen2.ModelArgs.from_dict({
         "model_type": "qwen2", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,

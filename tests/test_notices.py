@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from runtime.notices import NoticeWatcher
-from runtime.signals import Preemption
+from runtime.core.notices import NoticeWatcher
+from runtime.core.signals import Preemption
 from tests.conftest import REPO, events_of
 
 TOKEN = "fake-imdsv2-token"

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from runtime.errors import SpillpackError
-from runtime.metrics import score, wilson
-from runtime.rows import parse_rows
+from runtime.jobs.metrics import score, wilson
+from runtime.data.rows import parse_rows
 from tests.conftest import REPO, events_of, run_cli
 
 EVALS = REPO / "examples/data/evals.jsonl"

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from runtime.errors import SpillpackError
-from runtime.modelref import resolve_model
-from runtime.staging import MANIFEST, cache_dir, stage
+from runtime.models.ref import resolve_model
+from runtime.state.staging import MANIFEST, cache_dir, stage
 from tests.conftest import REPO
 from tests.s3_fixtures import fault_proxy, s3, s3_uri  # noqa: F401
 
@@ -62,7 +62,7 @@ def test_download_killed_half_way_is_not_cached(tiny_on_s3, fault_proxy, home):
     uri, local = tiny_on_s3
     held = fault_proxy.stall(r"/weights/tiny/model\.safetensors", method="GET")
     env = {**os.environ, "AWS_ENDPOINT_URL": fault_proxy.endpoint, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", f"from runtime.staging import stage; stage({uri!r})"], env=env, cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-c", f"from runtime.state.staging import stage; stage({uri!r})"], env=env, cwd=REPO)
     try:
         assert held.arrived.wait(120), "the download never started"
         proc.send_signal(signal.SIGKILL)

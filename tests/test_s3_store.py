@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from runtime.errors import SpillpackError
-from runtime.s3 import S3Store
-from runtime.state import JobState, StateConflict
-from runtime.store import open_store
+from runtime.state.s3 import S3Store
+from runtime.state.jobstate import JobState, StateConflict
+from runtime.state.store import open_store
 from tests.s3_fixtures import fault_proxy, s3, s3_uri  # noqa: F401
 
 BIG = 21 * 1024 * 1024  # above the 16 MB multipart threshold: 2 parts

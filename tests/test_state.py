@@ -6,8 +6,8 @@ import orjson
 import pytest
 
 from runtime.errors import SpillpackError
-from runtime.state import JobState, StateConflict
-from runtime.store import LocalStore, open_store
+from runtime.state.jobstate import JobState, StateConflict
+from runtime.state.store import LocalStore, open_store
 
 IDENTITY = {"command": "tune", "lr": 0.0001, "model": "abc"}
 
@@ -108,7 +108,7 @@ def test_file_uri(tmp_path):
 def test_uri_schemes_are_parsed_in_one_place(tmp_path):
     from pathlib import Path
 
-    from runtime.store import local_file
+    from runtime.state.store import local_file
 
     assert local_file("qwen2.5:0.5b") == Path("qwen2.5:0.5b")  # a tag or a path with a colon, not a URI
     assert local_file(f"file://{tmp_path}/x") == tmp_path / "x"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.tiny import ensure_tiny
+from runtime.models.tiny import ensure_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_second_call_reuses_and_stale_version_is_rebuilt(tmp_path, monkeypatch):
 
 def test_concurrent_builds_agree(tmp_path):
     env = {**os.environ, "SPILLPACK_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
-    code = "from runtime.tiny import ensure_tiny; print(ensure_tiny())"
+    code = "from runtime.models.tiny import ensure_tiny; print(ensure_tiny())"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)

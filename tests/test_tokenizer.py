@@ -3,8 +3,8 @@
 import pytest
 
 from runtime.errors import SpillpackError
-from runtime.tiny import ensure_tiny
-from runtime.tokenizer import Tokenizer
+from runtime.models.tiny import ensure_tiny
+from runtime.models.tokenizer import Tokenizer
 from tests.hf_fixtures import make_llama_tokenizer
 
 

@@ -12,8 +12,8 @@
         adapter() -> dict[str, np.ndarray]  canonical LoRA tensors
         merged_weights() -> dict[str, np.ndarray]  base + scale * B @ A, HF names, float32
         pad_id
-    load_model(model_dir, adapter=None) -> a model runtime.generate's Generator can drive
-    generator(model_dir, tokenizer, adapter, slots, max_len) -> runtime.generate.Generator
+    load_model(model_dir, adapter=None) -> a model runtime.generation's Generator can drive
+    generator(model_dir, tokenizer, adapter, slots, max_len) -> runtime.generation.Generator
     peak_mem_gb() -> float
 """
 
@@ -29,11 +29,11 @@ class OptimSpec:
 
 def get_engine(name: str):
     if name in ("torch-cpu", "torch-cuda"):
-        from .torch_engine import TorchEngine
+        from runtime.engines.torch.engine import TorchEngine
 
         return TorchEngine(name)
     if name == "mlx":
-        from .mlx_engine import MLXEngine
+        from runtime.engines.mlx.engine import MLXEngine
 
         return MLXEngine()
     raise ValueError(name)

@@ -1,1 +1,1 @@
-"""One module per job command; they share the job core in runtime.jobcore."""
+"""One module per job command; they share the job core in runtime.core.job."""

@@ -12,12 +12,12 @@ import importlib
 
 import orjson
 
-from ..config import Invocation, default_name, resolve
-from ..data import read_bytes, sha256
-from ..errors import EXIT_OK, SpillpackError
-from ..jobcore import Job
-from ..store import local_file
-from ..rowjob import RESULTS
+from runtime.config.invocation import Invocation, default_name, resolve
+from runtime.data.train import read_bytes, sha256
+from runtime.errors import EXIT_OK, SpillpackError
+from runtime.core.job import Job
+from runtime.state.store import local_file
+from runtime.jobs.rowjob import RESULTS
 
 STAGES = ("eval-base", "distill", "tune", "eval-tuned")
 STAGE_MARKER = "stage"

@@ -6,9 +6,9 @@ example needs assistant content) and counted in the summary."""
 
 import orjson
 
-from .. import rowjob
-from ..rowjob import Output, RowTask
-from ..rows import content_of
+from runtime.jobs import rowjob
+from runtime.jobs.rowjob import Output, RowTask
+from runtime.data.rows import content_of
 
 
 def finish_invocation(inv) -> None:

@@ -7,11 +7,11 @@ as wrong and is counted in failed_rows."""
 
 import orjson
 
-from .. import rowjob
-from ..errors import SpillpackError
-from ..metrics import check, score, wilson
-from ..rowjob import Output, RowTask
-from ..rows import content_of
+from runtime.jobs import rowjob
+from runtime.errors import SpillpackError
+from runtime.jobs.metrics import check, score, wilson
+from runtime.jobs.rowjob import Output, RowTask
+from runtime.data.rows import content_of
 
 
 def finish_invocation(inv) -> None:

@@ -3,8 +3,8 @@ one line per input row in input order (runtime/rows.py has both shapes)."""
 
 import orjson
 
-from .. import rowjob
-from ..rowjob import Output, RowTask
+from runtime.jobs import rowjob
+from runtime.jobs.rowjob import Output, RowTask
 
 
 def finish_invocation(inv) -> None:

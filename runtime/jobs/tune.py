@@ -19,16 +19,16 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 from safetensors.numpy import save_file as st_save_file
 
-from ..adapter import LoraSpec, init_tensors, save_adapter
-from ..config import default_name
-from ..data import BatchOrder, collate, load_train_data
-from ..engines import OptimSpec, get_engine
-from ..errors import SpillpackError
-from ..jobcore import Job
-from ..modelref import resolve_model
-from ..signals import Abandon
-from ..store import open_store
-from ..tokenizer import Tokenizer
+from runtime.models.lora import LoraSpec, init_tensors, save_adapter
+from runtime.config.invocation import default_name
+from runtime.data.train import BatchOrder, collate, load_train_data
+from runtime.engines import OptimSpec, get_engine
+from runtime.errors import SpillpackError
+from runtime.core.job import Job
+from runtime.models.ref import resolve_model
+from runtime.core.signals import Abandon
+from runtime.state.store import open_store
+from runtime.models.tokenizer import Tokenizer
 
 CHECKPOINT_TENSORS = "state.safetensors"
 CHECKPOINT_META = "meta.json"

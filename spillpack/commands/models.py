@@ -2,7 +2,7 @@
 
 import json
 
-from runtime.modelref import TAGS, tag_dirname
+from runtime.models.ref import TAGS, tag_dirname
 from runtime.paths import spillpack_home
 
 

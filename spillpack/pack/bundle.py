@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from runtime.bundle import MANIFEST
+from runtime.bootstrap import MANIFEST
 
 CHUNK = 8 << 20
 

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 from runtime import __version__
-from runtime.config import read_config
+from runtime.config.invocation import read_config
 from runtime.errors import SpillpackError, UsageError
-from runtime.options import JOB_COMMANDS
+from runtime.config.options import JOB_COMMANDS
 
 from .. import schedulers
 from . import inputs, wheels, zipapp

@@ -13,9 +13,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.bundle import BUNDLE_PREFIX
+from runtime.bootstrap import BUNDLE_PREFIX
 from runtime.errors import SpillpackError
-from runtime.modelref import TAGS
+from runtime.models.ref import TAGS
 
 # Options whose value is a file or directory the job reads, by role.
 DATA_OPTIONS = ("data", "input", "evals", "prompts", "folder", "adapter")

@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import SpillpackError  # stdlib-only, safe before sys.path is complete
+from runtime.errors import SpillpackError  # stdlib-only, safe before sys.path is complete
 
 MANIFEST = "MANIFEST.json"
 PLATFORM_DIR = "_spillpack_platforms"  # inside the zipapp's site-packages
@@ -286,6 +286,6 @@ def entry() -> None:
         sys.exit(e.exit_code)
     if code is not None:
         sys.exit(code)
-    from .cli import entry as cli_entry
+    from runtime.cli import entry as cli_entry
 
     cli_entry()

@@ -45,8 +45,8 @@ from botocore.exceptions import (
 from s3transfer.exceptions import RetriesExceededError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from .errors import SpillpackError
-from .store import Store, _unlink
+from runtime.errors import SpillpackError
+from runtime.state.store import Store, _unlink
 
 MB = 1024 * 1024
 # Parts of 16 MB, 16 at a time: a 1 GB checkpoint is 64 parts, several in flight per

@@ -6,9 +6,9 @@ import sys
 
 import orjson
 
-from . import __version__
-from .hardware import ENGINE_NAMES, choose_engine, disk_free_gb, measure, memory_gb, probe
-from .paths import spillpack_home
+from runtime import __version__
+from runtime.engines.hardware import ENGINE_NAMES, choose_engine, disk_free_gb, measure, memory_gb, probe
+from runtime.paths import spillpack_home
 
 
 def add_arguments(p):

@@ -19,17 +19,17 @@ from typing import Callable
 
 import orjson
 
-from .adapter import load_adapter
-from .config import Invocation, default_name
-from .data import read_bytes, sha256
-from .engines import get_engine
-from .errors import SpillpackError, UsageError
-from .jobcore import Job
-from .modelref import local_path, resolve_model
-from .rows import Row, encode_rows, error_line, ok_line, parse_rows
-from .signals import Abandon
-from .store import open_store
-from .tokenizer import Tokenizer
+from runtime.models.lora import load_adapter
+from runtime.config.invocation import Invocation, default_name
+from runtime.data.train import read_bytes, sha256
+from runtime.engines import get_engine
+from runtime.errors import SpillpackError, UsageError
+from runtime.core.job import Job
+from runtime.models.ref import local_path, resolve_model
+from runtime.data.rows import Row, encode_rows, error_line, ok_line, parse_rows
+from runtime.core.signals import Abandon
+from runtime.state.store import open_store
+from runtime.models.tokenizer import Tokenizer
 
 RESULTS = "results.jsonl"  # the final output, under the state
 OUTPUT_MARKER = "output"  # commit kind recorded once the final output is written
@@ -188,7 +188,7 @@ def _run(job: Job, inv, events, task, rows, tokenizer, model_dir, adapter, job_k
         engine = get_engine(job.engine_name)
         gen = engine.generator(model_dir, tokenizer, adapter,
                                slots=min(o["batch"], len(todo)), max_len=max(len(r.prompt_ids) + r.max_tokens for r in todo))
-        from .generate import Request
+        from runtime.generation import Request
 
         by_id = {r.custom_id: r for r in todo}
         for r in todo:

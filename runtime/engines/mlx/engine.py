@@ -13,9 +13,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..adapter import LoraSpec
-from ..mlx_models import load_model
-from . import OptimSpec
+from runtime.models.lora import LoraSpec
+from runtime.engines.mlx.models import load_model
+from runtime.engines import OptimSpec
 
 
 class LoRALinear(nn.Module):
@@ -171,7 +171,7 @@ class MLXEngine:
         return model
 
     def generator(self, model_dir, tokenizer, adapter=None, slots: int = 8, max_len: int = 2048):
-        from ..generate import Generator
+        from runtime.generation import Generator
 
         return Generator(self.load_model(model_dir, adapter), tokenizer, slots=slots, max_len=max_len)
 

@@ -9,9 +9,9 @@ repeated, and its progress hint (state.note_progress) says about how much.
 
 import datetime
 
-from ..errors import SpillpackError
-from ..state import JobState
-from ..store import open_store
+from runtime.errors import SpillpackError
+from runtime.state.jobstate import JobState
+from runtime.state.store import open_store
 
 END = ("done", "stopped", "interrupted")
 

@@ -9,9 +9,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import SpillpackError, UsageError
-from .options import JOB_COMMANDS, options_for
-from .store import atomic_write
+from runtime.errors import SpillpackError, UsageError
+from runtime.config.options import JOB_COMMANDS, options_for
+from runtime.state.store import atomic_write
 
 CONFIG_VERSION = 1
 

@@ -217,7 +217,7 @@ def write_weights(path: Path, config: dict) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from runtime.models import qwen2
+    from runtime.engines.torch.models import qwen2
 
     args = qwen2.ModelArgs.from_dict(config)
     with torch.device("meta"):

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from .errors import SpillpackError
-from .store import local_file, open_store
+from runtime.errors import SpillpackError
+from runtime.state.store import local_file, open_store
 
 
 def read_bytes(uri: str, what: str = "data") -> bytes:
@@ -32,7 +32,7 @@ def read_bytes(uri: str, what: str = "data") -> bytes:
         raise SpillpackError(f"{what} {uri} is a directory, not a JSONL file", f"ls {path}")
     except OSError as e:
         raise SpillpackError(f"cannot read {what} {uri}: {e.strerror}", f"ls -l {path}")
-    from .bundle import check_read
+    from runtime.bootstrap import check_read
 
     check_read(path, data)  # a bundled file must be the one that was packed
     return data

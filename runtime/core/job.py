@@ -8,14 +8,14 @@ after a committed checkpoint (75), or an error line (1). Jobs supply only their 
 import time
 from dataclasses import dataclass, field
 
-from .errors import EXIT_OK, EXIT_PREEMPTED
-from .events import Events
-from .hardware import choose_engine
-from .notices import NoticeWatcher, start_watcher
-from .paths import spillpack_home
-from .signals import Preemption
-from .state import JobState
-from .store import open_store
+from runtime.errors import EXIT_OK, EXIT_PREEMPTED
+from runtime.core.events import Events
+from runtime.engines.hardware import choose_engine
+from runtime.core.notices import NoticeWatcher, start_watcher
+from runtime.paths import spillpack_home
+from runtime.core.signals import Preemption
+from runtime.state.jobstate import JobState
+from runtime.state.store import open_store
 
 
 def default_state_uri(name: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from .errors import SpillpackError
+from runtime.errors import SpillpackError
 
 PEFT_PREFIX = "base_model.model."
 PEFT_WEIGHTS = "adapter_model.safetensors"

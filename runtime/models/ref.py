@@ -10,7 +10,7 @@ from pathlib import Path
 
 from runtime.errors import SpillpackError
 from runtime.paths import spillpack_home
-from runtime.store import local_file
+from runtime.state.store import local_file
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -75,7 +75,7 @@ def local_path(uri: str, kind: str = "weights") -> Path:
     """
     path = local_file(uri)
     if path is None:
-        from runtime.staging import stage
+        from runtime.state.staging import stage
 
         return stage(uri, kind)
     return path
@@ -83,7 +83,7 @@ def local_path(uri: str, kind: str = "weights") -> Path:
 
 def resolve_model(ref: str, weights: str | None = None) -> ModelDir:
     if ref == "tiny":
-        from runtime.tiny import ensure_tiny
+        from runtime.models.tiny import ensure_tiny
 
         return validate(ensure_tiny())
     if ref in TAGS:
@@ -146,7 +146,7 @@ def validate(path: Path, tag: Tag | None = None) -> ModelDir:
             f"{config_file} has model_type {arch!r}, but the tag expects {tag.arch!r}",
             f"--weights pointing at a download of {tag.hf_repo}",
         )
-    from runtime.models import weight_files  # torch is imported only when a model is really used
+    from runtime.engines.torch.models import weight_files  # torch is imported only when a model is really used
 
     for f in weight_files(path):
         if not f.exists():

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import orjson
 
-from .errors import SpillpackError
-from .paths import spillpack_home
-from .store import atomic_write, open_store
+from runtime.errors import SpillpackError
+from runtime.paths import spillpack_home
+from runtime.state.store import atomic_write, open_store
 
 MANIFEST = ".staged.json"
 

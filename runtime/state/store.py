@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .errors import SpillpackError
+from runtime.errors import SpillpackError
 
 
 class Store:
@@ -197,7 +197,7 @@ def open_store(uri: str) -> Store:
     """A path, file:// URI or s3:// URI, the same everywhere a URI is taken."""
     path = local_file(uri)
     if path is None:
-        from .s3 import S3Store
+        from runtime.state.s3 import S3Store
 
         return S3Store(uri)
     return LocalStore(path.absolute(), uri)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import orjson
 
-from .errors import SpillpackError
-from .store import Store, sha256_bytes
+from runtime.errors import SpillpackError
+from runtime.state.store import Store, sha256_bytes
 
 KEEP_CHECKPOINTS = 2
 

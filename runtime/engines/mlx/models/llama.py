@@ -2,7 +2,7 @@
 
 Attribute names are the Hugging Face checkpoint keys, so the same safetensors load without a
 rename table and LoRA wraps each linear by the name PEFT uses. The arguments, the rotary
-frequencies and the per-architecture quirks are the torch side's (runtime.models), so the
+frequencies and the per-architecture quirks are the torch side's (runtime.engines.torch.models), so the
 two engines cannot drift apart on what a config.json means. Qwen2 is this model with q/k/v
 biases, which its ModelArgs turns on.
 """
@@ -13,8 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from runtime.models import llama as torch_llama
-from runtime.models.llama import ModelArgs, rope_inv_freq
+from runtime.engines.torch.models import llama as torch_llama
+from runtime.engines.torch.models.llama import ModelArgs, rope_inv_freq
 
 
 class KVCache:
@@ -181,7 +181,7 @@ class Model(nn.Module):
 
 
 class Decoder:
-    """The MLX half of runtime.generate's Generator: slot prefill and batched decode, numpy logits out."""
+    """The MLX half of runtime.generation's Generator: slot prefill and batched decode, numpy logits out."""
 
     def __init__(self, model: Model, slots: int, max_len: int):
         self.model = model

@@ -11,8 +11,8 @@ import platform
 import shutil
 from dataclasses import dataclass
 
-from .errors import SpillpackError
-from .paths import spillpack_home
+from runtime.errors import SpillpackError
+from runtime.paths import spillpack_home
 
 ENGINE_NAMES = ("mlx", "torch-cuda", "torch-cpu")
 

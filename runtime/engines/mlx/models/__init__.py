@@ -1,4 +1,4 @@
-"""MLX models: the same architectures as runtime.models, loaded strictly from the same HF directory."""
+"""MLX models: the same architectures as runtime.engines.torch.models, loaded strictly from the same HF directory."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from runtime.errors import SpillpackError
-from runtime.mlx_models import llama
-from runtime.models import architecture, check_weights, weight_files
+from runtime.engines.mlx.models import llama
+from runtime.engines.torch.models import architecture, check_weights, weight_files
 
 if TYPE_CHECKING:
-    from runtime.modelref import ModelDir
+    from runtime.models.ref import ModelDir
 
 
 def load_weights(files, dtype) -> dict:

@@ -10,7 +10,7 @@ import json
 import math
 import re
 
-from .errors import SpillpackError
+from runtime.errors import SpillpackError
 
 METRICS = ("exact_match", "contains", "regex", "json_field")
 

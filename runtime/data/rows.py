@@ -14,8 +14,8 @@ row's error line in the output, and the other rows go on.
 import hashlib
 from dataclasses import dataclass, field
 
-from .data import iter_jsonl
-from .errors import SpillpackError
+from runtime.data.train import iter_jsonl
+from runtime.errors import SpillpackError
 
 # Body parameters we honour; "model" is the job's model whatever the row says, "n" and
 # "stream" only in the one value a batch line can mean.

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import orjson
 
-from ..config import Invocation, check_config, read_config, resolve
-from ..errors import SpillpackError
-from ..store import local_file
-from ..store import open_store
+from runtime.config.invocation import Invocation, check_config, read_config, resolve
+from runtime.errors import SpillpackError
+from runtime.state.store import local_file
+from runtime.state.store import open_store
 
 
 def add_arguments(parser) -> None:

@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..adapter import LoraSpec
-from ..models import load_model
-from . import OptimSpec
+from runtime.models.lora import LoraSpec
+from runtime.engines.torch.models import load_model
+from runtime.engines import OptimSpec
 
 
 class LoRALinear(nn.Module):
@@ -158,7 +158,7 @@ class TorchEngine:
         return model.eval()
 
     def generator(self, model_dir, tokenizer, adapter=None, slots: int = 8, max_len: int = 2048):
-        from ..generate import Generator
+        from runtime.generation import Generator
 
         return Generator(self.load_model(model_dir, adapter), tokenizer, slots=slots, max_len=max_len)
 

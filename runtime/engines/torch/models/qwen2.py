@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.errors import SpillpackError
-from runtime.models import llama
-from runtime.models.llama import KVCache  # noqa: F401  (part of this module's API, as in llama)
+from runtime.engines.torch.models import llama
+from runtime.engines.torch.models.llama import KVCache  # noqa: F401  (part of this module's API, as in llama)
 
 
 @dataclass
