@@ -11,7 +11,7 @@ from pathlib import Path
 
 from runtime.errors import SpillpackError, UsageError
 from runtime.config.options import JOB_COMMANDS, options_for
-from runtime.state.store import atomic_write
+from runtime.fileio import atomic_write
 
 CONFIG_VERSION = 1
 

@@ -8,8 +8,11 @@ SPILLPACK_STATUS=FILE keeps a small JSON status file current for any watcher.
 import os
 import sys
 import time
+from pathlib import Path
 
 import orjson
+
+from runtime.fileio import atomic_write
 
 COMMON_KEYS = ("event", "time", "command", "step", "loss", "tokens_per_s", "peak_mem_gb", "eta_s", "engine")
 
@@ -125,11 +128,8 @@ class Events:
             s["last_checkpoint"] = {"uri": r.get("uri"), "step": r.get("step"), "time": r["time"]}
         if ev == "error":
             s["message"] = r.get("message")
-        tmp = f"{self.status_path}.tmp{os.getpid()}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(orjson.dumps(s))
-            os.replace(tmp, self.status_path)
+            atomic_write(Path(self.status_path), orjson.dumps(s))
         except OSError:
             pass  # a watcher's convenience must never fail the job
 

@@ -11,9 +11,9 @@ import json
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
+from runtime.fileio import file_lock
 from runtime.paths import spillpack_home
 
 # Bump when anything below changes the bytes, so an old cached tiny is rebuilt, not reused.
@@ -104,7 +104,7 @@ def ensure_tiny() -> Path:
     if is_current(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with locked(target.parent / ".tiny.lock"):
+    with file_lock(target.parent / ".tiny.lock"):
         if is_current(target):  # another process built it while we waited for the lock
             return target
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=target.parent))
@@ -130,21 +130,6 @@ def is_current(path: Path) -> bool:
         return json.loads(marker.read_text()).get("version") == TINY_VERSION
     except (OSError, ValueError):
         return False
-
-
-@contextmanager
-def locked(lock_path: Path):
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): the check-again after the build still keeps us correct
-        yield
-        return
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def build(out: Path) -> None:

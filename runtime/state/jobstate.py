@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import orjson
 
 from runtime.errors import SpillpackError
-from runtime.state.store import Store, sha256_bytes
+from runtime.fileio import sha256_bytes
+from runtime.state.store import Store
 
 KEEP_CHECKPOINTS = 2
 

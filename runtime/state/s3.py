@@ -46,7 +46,8 @@ from s3transfer.exceptions import RetriesExceededError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from runtime.errors import SpillpackError
-from runtime.state.store import Store, _unlink
+from runtime.fileio import unlink
+from runtime.state.store import Store
 
 MB = 1024 * 1024
 # Parts of 16 MB, 16 at a time: a 1 GB checkpoint is 64 parts, several in flight per
@@ -273,7 +274,7 @@ class S3Store(Store):
                     return False
                 raise
             finally:
-                _unlink(tmp)
+                unlink(tmp)
 
         return self._retrying("download", key, down)
 

@@ -9,17 +9,16 @@ killed half-way never counts as cached. A lock file keeps two processes on one m
 from downloading the same files at once.
 """
 
-import fcntl
 import hashlib
 import os
-from contextlib import contextmanager
 from pathlib import Path
 
 import orjson
 
 from runtime.errors import SpillpackError
 from runtime.paths import spillpack_home
-from runtime.state.store import atomic_write, open_store
+from runtime.fileio import atomic_write, file_lock
+from runtime.state.store import open_store
 
 MANIFEST = ".staged.json"
 
@@ -35,7 +34,7 @@ def stage(uri: str, kind: str = "weights") -> Path:
         raise SpillpackError(f"nothing under {uri} to use as {kind}", f"aws s3 ls {uri.rstrip('/')}/")
     dest = cache_dir(uri, kind)
     dest.mkdir(parents=True, exist_ok=True)
-    with _locked(dest / ".lock"):
+    with file_lock(dest / ".lock"):
         manifest = _load(dest / MANIFEST)
         for torn in dest.rglob(".*.tmp"):  # a download killed half-way; under the lock nobody else is writing
             torn.unlink(missing_ok=True)
@@ -71,13 +70,3 @@ def _load(path: Path) -> dict:
         return data if isinstance(data, dict) else {}
     except (FileNotFoundError, orjson.JSONDecodeError):
         return {}
-
-
-@contextmanager
-def _locked(path: Path):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)

@@ -5,15 +5,14 @@ exist. `create` succeeds for exactly one writer when several race for the same k
 the commit protocol in state.py is built on that one primitive.
 """
 
-import hashlib
 import os
 import shutil
 import socket
-import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
 from runtime.errors import SpillpackError
+from runtime.fileio import atomic_copy, atomic_write, sha256_bytes, temp_beside, unlink
 
 
 class Store:
@@ -58,38 +57,6 @@ class Store:
         return None
 
 
-def _temp_beside(path: Path, data: bytes) -> str:
-    """A complete, synced private copy of `data` next to `path` (same filesystem, so it can
-    be renamed or linked into place); list() never shows it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        _unlink(tmp)
-        raise
-    return tmp
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = _temp_beside(path, data)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink(tmp)
-        raise
-
-
-def _unlink(path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 class LocalStore(Store):
     def __init__(self, root: Path, uri: str | None = None):
         self.root = Path(root)
@@ -123,14 +90,14 @@ class LocalStore(Store):
         # Write a private temp file, then hard-link it into place: link() fails if the
         # name exists, so exactly one racing writer wins and the winner's file is complete.
         path = self._path(key)
-        tmp = _temp_beside(path, data)
+        tmp = temp_beside(path, data)
         try:
             os.link(tmp, path)
             return True
         except FileExistsError:
             return False
         finally:
-            _unlink(tmp)
+            unlink(tmp)
 
     def list(self, prefix):
         base = self._path(prefix)
@@ -155,21 +122,10 @@ class LocalStore(Store):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
         else:
-            _unlink(p)
+            unlink(p)
 
     def put_file(self, key, path):
-        dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            shutil.copyfile(path, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)
-        except BaseException:
-            _unlink(tmp)
-            raise
+        atomic_copy(path, self._path(key))
 
     def get_file(self, key, path):
         src = self._path(key)
@@ -202,6 +158,3 @@ def open_store(uri: str) -> Store:
         return S3Store(uri)
     return LocalStore(path.absolute(), uri)
 
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
