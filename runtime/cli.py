@@ -57,7 +57,8 @@ def build_parser(extra: dict | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, extra: dict | None = None) -> int:
+def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) -> int:
+    """`bundle`: the runtime.bootstrap.Bundle this process runs from (run.sh), else None."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     headless = headless_wanted("--headless" in argv)
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None, extra: dict | None = None) -> int:
         command = ns.pop("command")
         events.command = command
         if command in JOB_COMMANDS:
-            return _run_job(command, ns, events)
+            return _run_job(command, ns, events, bundle)
         module = {**OTHER_COMMANDS, **(extra or {})}[command][0]
         return importlib.import_module(module).main(ns, events)
     except UsageError as e:
@@ -104,7 +105,7 @@ def invocation(command: str, ns: dict, headless: bool = False) -> Invocation:
     return inv
 
 
-def _run_job(command: str, ns: dict, events: Events) -> int:
+def _run_job(command: str, ns: dict, events: Events, bundle=None) -> int:
     emit_path = ns.pop("emit_config", None)
     inv = invocation(command, ns, events.headless)
     job = importlib.import_module(f"runtime.jobs.{command}")
@@ -112,10 +113,9 @@ def _run_job(command: str, ns: dict, events: Events) -> int:
         write_config(inv, emit_path)
         events.say(f"wrote {emit_path}; run it with: spillpack {command} --config {emit_path}")
         return 0
-    from runtime import bootstrap as bundle
-
-    bundle.localize(inv.arguments)  # no-op outside a bundle: its files/... paths become absolute
-    bundle.localize(inv.options)
+    if bundle is not None:  # its files/... paths become absolute; readers check bundled bytes through it
+        inv.bundle = bundle
+        inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)
     return job.main(inv, events)
 
 

@@ -1,4 +1,4 @@
-"""The one error type of spillpack, and the exit codes of ARCHITECTURE.md.
+"""The one error type of spillpack, and the exit codes of docs/events.md.
 
 Anything that should reach a user as a clean line raises SpillpackError (exit 1)
 or UsageError (exit 2); the CLI catches them in one place and prints

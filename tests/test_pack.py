@@ -110,6 +110,30 @@ def test_path_that_cannot_be_made_bundle_relative_exits_1(phome, tmp_path):
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))
 
 
+def test_manifest_is_one_type_read_back_field_by_field(tmp_path):
+    from runtime.bootstrap.manifest import FileEntry, Manifest
+    from runtime.errors import SpillpackError
+
+    m = Manifest(packer="spillpack 0", command="tune", name="x", python="3.11", platforms=["manylinux_2_17_x86_64"],
+                 zipapp={}, with_torch="cpu", files={"files/job.json": FileEntry(3, "ab" * 32, "command line")})
+    (tmp_path / "MANIFEST.json").write_bytes(m.to_json())
+    assert Manifest.read(tmp_path) == m and m.wheels_key == "torch-cpu-py3.11"
+    good = json.loads(m.to_json())
+    damaged = [b"{", json.dumps({**good, "files": {"files/job.json": {"size": "3"}}}).encode(),
+               json.dumps({**good, "platforms": "linux"}).encode(), json.dumps({k: v for k, v in good.items() if k != "python"}).encode()]
+    for raw in damaged:
+        (tmp_path / "MANIFEST.json").write_bytes(raw)
+        with pytest.raises(SpillpackError) as e:
+            Manifest.read(tmp_path)
+        assert "is damaged" in e.value.line() and "\n" not in e.value.line()
+
+
+def test_with_mlx_needs_an_apple_silicon_target(phome, data, tmp_path):
+    r = pack(["tune", "tiny", str(data), "--platform", "manylinux_2_17_x86_64", "--with-mlx", "-o", str(tmp_path / "b")])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--with-mlx" in r.stderr and "Try:" in r.stderr, r.stderr
+    assert not (tmp_path / "b").exists()
+
+
 # -- the bundle, end to end ----------------------------------------------------------
 
 
@@ -306,3 +330,40 @@ def test_with_torch_installs_its_wheels_on_first_start_and_runs_without_a_system
     r = run_bundle(tmp_path / "b", env=env)
     assert r.returncode == 0, r.stderr
     assert {p: p.stat().st_mtime_ns for p in installed} == stamp
+
+
+@pytest.mark.slow
+def test_with_mlx_carries_mlx_for_an_air_gapped_mac(phome, data, tmp_path):
+    r = pack(["tune", "tiny", str(data), "--platform", "macosx_14_0_arm64", "--with-mlx", "-o", str(tmp_path / "b")], timeout=900)
+    assert r.returncode == 0, r.stderr
+    assert "macosx_14_0_arm64: mlx (bundled), torch-cpu (target's torch)" in r.stderr.strip().splitlines()[-1]
+    whls = sorted(p.name for p in (tmp_path / "b" / "wheels" / "macosx_14_0_arm64").glob("*.whl"))
+    assert [w.split("-")[0] for w in whls] == ["mlx", "mlx_metal"], whls
+    manifest = json.loads((tmp_path / "b" / "MANIFEST.json").read_text())
+    assert manifest["with_mlx"] is True and manifest["with_torch"] is None
+    assert manifest["engines"]["macosx_14_0_arm64"][0] == "mlx (bundled)"
+    for w in whls:
+        entry = manifest["files"][f"wheels/macosx_14_0_arm64/{w}"]
+        assert entry["size"] == (tmp_path / "b" / "wheels" / "macosx_14_0_arm64" / w).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_resume_of_a_bundle_folder_runs_from_anywhere_through_its_manifest(phome, data, tmp_path, tiny_home):
+    assert pack(["tune", "tiny", str(data), *JOB, "-o", str(tmp_path / "b")]).returncode == 0
+    env = {"PYTHONPATH": str(REPO)}
+    r = run_cli(["resume", str(tmp_path / "b")], env={**env, "SPILLPACK_HOME": str(phome)}, cwd="/")
+    assert r.returncode == 0, r.stderr
+    ev = events_of(r.stdout)
+    assert ev[-1]["event"] == "done" and ev[-1]["steps"] == 4
+
+    # A damaged bundled data file is one line naming it, and nothing runs.
+    f = tmp_path / "b" / "files" / "data" / "train.jsonl"
+    raw = bytearray(f.read_bytes())
+    raw[50] ^= 0x20
+    f.write_bytes(bytes(raw))
+    home2 = new_home(tmp_path, tiny_home, "node")
+    r = run_cli(["resume", str(tmp_path / "b")], env={**env, "SPILLPACK_HOME": str(home2)}, cwd="/")
+    assert r.returncode == 1, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.startswith("spillpack:")]
+    assert len(lines) == 1 and "files/data/train.jsonl" in lines[0] and "damaged" in lines[0], r.stderr
+    assert not (home2 / "jobs" / "packed" / "commits").exists()

@@ -1,17 +1,16 @@
 """`spillpack resume FOLDER|URI [--state URI]`: continue an interrupted job from what it left behind.
 
 FOLDER|URI is a job's state (it holds invocation.json, the resolved config of its newest run),
-a bundle folder (files/job.json; run from inside the folder, where its paths point) or a
-config file. --state names the state when it is not the first argument, or moves the job
-to another state.
+a bundle folder (MANIFEST.json and files/job.json: its files/... paths are made absolute and
+checked through the same Bundle that run.sh hands to the CLI) or a config file. --state
+names the state when it is not the first argument, or moves the job to another state.
 """
 
 import importlib
-import os
-from pathlib import Path
 
 import orjson
 
+from runtime.bootstrap.bundle import Bundle
 from runtime.config.invocation import Invocation, check_config, read_config, resolve
 from runtime.errors import SpillpackError
 from runtime.state.store import local_file
@@ -23,8 +22,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--state", metavar="URI", help="the state to continue (default: the one FOLDER|URI names)")
 
 
-def find_config(target: str, state: str | None) -> tuple[dict, Path | None]:
-    """(config, folder to run in) for the job that `target` names."""
+def find_config(target: str, state: str | None) -> tuple[dict, Bundle | None]:
+    """(config, the bundle it comes from) for the job that `target` names."""
     for uri in filter(None, (state, target)):
         try:
             raw = open_store(uri).read("invocation.json")
@@ -36,8 +35,9 @@ def find_config(target: str, state: str | None) -> tuple[dict, Path | None]:
             except orjson.JSONDecodeError:
                 raise SpillpackError(f"{uri}/invocation.json is damaged", f"spillpack <command> ... --state {uri}")
     path = local_file(target)
-    if path is not None and (path / "files" / "job.json").is_file():
-        return read_config(str(path / "files" / "job.json")), path
+    if path is not None and (path / "files" / "job.json").is_file():  # a bundle: its manifest must be there too
+        bundle = Bundle.open(path)
+        return read_config(str(bundle.root / "files" / "job.json")), bundle
     if path is not None and path.is_file():
         return read_config(str(path)), None
     raise SpillpackError(f"{target} is neither a job's state (no invocation.json), a bundle folder nor a config file",
@@ -45,16 +45,16 @@ def find_config(target: str, state: str | None) -> tuple[dict, Path | None]:
 
 
 def main(ns: dict, events) -> int:
-    config, folder = find_config(ns["target"], ns.get("state"))
+    config, bundle = find_config(ns["target"], ns.get("state"))
     command = config["command"]
     given = {"state": ns["state"]} if ns.get("state") else {}
     arguments, options = resolve(command, given, None, config=config)
-    inv = Invocation(command, arguments, options, headless=events.headless, debug=bool(ns.get("debug")))
+    inv = Invocation(command, arguments, options, headless=events.headless, debug=bool(ns.get("debug")), bundle=bundle)
     events.command = command
     job = importlib.import_module(f"runtime.jobs.{command}")
     if hasattr(job, "finish_invocation"):
         job.finish_invocation(inv)
-    if folder is not None:
-        os.chdir(folder)  # a bundle's paths are relative to the bundle
+    if bundle is not None:
+        inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)
     events.say(f"resuming {command} {options.get('name')} from {options.get('state') or 'its default state'}")
     return job.main(inv, events)

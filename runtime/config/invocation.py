@@ -27,6 +27,7 @@ class Invocation:
     debug: bool = False
     config_path: str | None = None
     extra: dict = field(default_factory=dict)
+    bundle: object = None  # the runtime.bootstrap.bundle.Bundle the job runs from, else None; never in a config
 
     def to_config(self) -> dict:
         return {

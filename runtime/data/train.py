@@ -15,8 +15,9 @@ from runtime.errors import SpillpackError
 from runtime.state.store import local_file, open_store
 
 
-def read_bytes(uri: str, what: str = "data") -> bytes:
-    """The whole file behind a path, file:// or s3:// URI."""
+def read_bytes(uri: str, what: str = "data", bundle=None) -> bytes:
+    """The whole file behind a path, file:// or s3:// URI; checked against `bundle`'s manifest
+    (a runtime.bootstrap.bundle.Bundle, when the job runs from one) when the file is inside it."""
     path = local_file(uri)
     if path is None:
         parent, _, name = uri.rstrip("/").rpartition("/")
@@ -32,9 +33,8 @@ def read_bytes(uri: str, what: str = "data") -> bytes:
         raise SpillpackError(f"{what} {uri} is a directory, not a JSONL file", f"ls {path}")
     except OSError as e:
         raise SpillpackError(f"cannot read {what} {uri}: {e.strerror}", f"ls -l {path}")
-    from runtime.bootstrap import check_read
-
-    check_read(path, data)  # a bundled file must be the one that was packed
+    if bundle is not None:
+        bundle.check_read(path, data)  # a bundled file must be the one that was packed
     return data
 
 
@@ -91,8 +91,8 @@ class TrainData:
     lines: int
 
 
-def load_train_data(uri: str, tokenizer, max_seq: int) -> TrainData:
-    raw = read_bytes(uri, "training data")
+def load_train_data(uri: str, tokenizer, max_seq: int, bundle=None) -> TrainData:
+    raw = read_bytes(uri, "training data", bundle)
     examples, dropped, lines = [], 0, 0
     for n, obj in iter_jsonl(raw, uri):
         lines += 1

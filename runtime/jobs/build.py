@@ -58,7 +58,7 @@ def _stop_point(value) -> tuple[str | None, int | None]:
     return stage, int(n) if n else None
 
 
-def _folder_files(folder: str) -> dict[str, bytes]:
+def _folder_files(folder: str, bundle=None) -> dict[str, bytes]:
     base = str(folder).rstrip("/")
     path = local_file(base)
     if path is not None and not path.is_dir():
@@ -66,7 +66,7 @@ def _folder_files(folder: str) -> dict[str, bytes]:
     files = {}
     for name in ("evals.jsonl", "train.jsonl", "prompts.jsonl"):
         try:
-            files[name] = read_bytes(f"{base}/{name}", name)
+            files[name] = read_bytes(f"{base}/{name}", name, bundle)
         except SpillpackError:
             if name == "evals.jsonl":
                 raise SpillpackError(f"build folder {folder} has no evals.jsonl (rows with \"expected\" answers to score the student)",
@@ -81,7 +81,7 @@ def main(inv, events) -> int:
     a, o = inv.arguments, inv.options
     stop_stage, stop_n = _stop_point(o.get("stop_after"))
     folder = str(a["folder"]).rstrip("/")
-    files = _folder_files(folder)
+    files = _folder_files(folder, inv.bundle)
     # Distilling the student into itself teaches it nothing: prompts.jsonl needs a teacher.
     has_teacher = bool(o.get("teacher") or o.get("teacher_adapter"))
     if "prompts.jsonl" in files and not has_teacher and "train.jsonl" not in files:

@@ -102,7 +102,7 @@ def run_rows(inv: Invocation, events, task: RowTask) -> int:
     model_ref, input_uri = a[task.model_arg], a[task.input_arg]
     model_dir = resolve_model(model_ref, o.get("weights"))
     tokenizer = Tokenizer.from_dir(model_dir.path)
-    raw = read_bytes(input_uri, "input")
+    raw = read_bytes(input_uri, "input", inv.bundle)
     rows = parse_rows(raw, input_uri, o["max_tokens"], o["temperature"], o["top_p"], o["seed"])
     task.check(rows, input_uri)
     adapter, adapter_fp = adapter_for(o.get("adapter"))

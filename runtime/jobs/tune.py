@@ -74,7 +74,7 @@ def main(inv, events) -> int:
     validate(o)
     model_dir = resolve_model(a["model"], o.get("weights"))
     tokenizer = Tokenizer.from_dir(model_dir.path)
-    data = load_train_data(a["data"], tokenizer, o["max_seq"])
+    data = load_train_data(a["data"], tokenizer, o["max_seq"], inv.bundle)
     spec = LoraSpec(rank=o["rank"], alpha=float(o["alpha"]), targets=tuple(t.strip() for t in o["targets"].split(",") if t.strip()),
                     dropout=o["dropout"])
     tensors = init_tensors(model_dir.config, spec, o["seed"])  # validates --targets before any state is touched

@@ -7,12 +7,13 @@ end, so a failed pack leaves nothing behind and a finished one appears whole.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
-from runtime.bootstrap import MANIFEST
+from runtime.bootstrap.bundle import file_sha256
+from runtime.bootstrap.manifest import MANIFEST, FileEntry, Manifest
 
 CHUNK = 8 << 20
 
@@ -69,21 +70,13 @@ def write_hashed(dest: Path, data: bytes, mode: int = 0o644) -> tuple[int, str]:
     return len(data), hashlib.sha256(data).hexdigest()
 
 
-def hash_file(path: Path) -> tuple[int, str]:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return path.stat().st_size, h.hexdigest()
-
-
 class Writer:
     """Files go into `tmp`; `finish` writes the manifest and renames tmp to the output."""
 
     def __init__(self, out: Path):
         self.out = out
         self.tmp = out.parent / f".{out.name}.packing-{os.getpid()}"
-        self.entries: dict[str, dict] = {}
+        self.entries: dict[str, FileEntry] = {}
 
     def __enter__(self) -> "Writer":
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,19 +90,18 @@ class Writer:
 
     def copy(self, rel: str, src: Path) -> None:
         size, digest = copy_hashed(src, self.tmp / rel)
-        self.entries[rel] = {"size": size, "sha256": digest, "origin": str(src)}
+        self.entries[rel] = FileEntry(size, digest, str(src))
 
     def write(self, rel: str, data: bytes, origin: str, mode: int = 0o644) -> None:
         size, digest = write_hashed(self.tmp / rel, data, mode)
-        self.entries[rel] = {"size": size, "sha256": digest, "origin": origin}
+        self.entries[rel] = FileEntry(size, digest, origin)
 
     def add_existing(self, rel: str, origin: str) -> None:
-        size, digest = hash_file(self.tmp / rel)
-        self.entries[rel] = {"size": size, "sha256": digest, "origin": origin}
+        path = self.tmp / rel
+        self.entries[rel] = FileEntry(path.stat().st_size, file_sha256(path), origin)
 
-    def finish(self, manifest: dict) -> None:
-        manifest = {**manifest, "files": {k: self.entries[k] for k in sorted(self.entries)}}
-        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    def finish(self, manifest: Manifest) -> None:
+        (self.tmp / MANIFEST).write_bytes(replace(manifest, files=dict(self.entries)).to_json())
         if self.out.exists():  # appeared while we were packing
             raise FileExistsError(str(self.out))
         os.rename(self.tmp, self.out)

@@ -14,15 +14,14 @@ import sys
 from pathlib import Path
 
 from runtime import __version__
+from runtime.bootstrap.manifest import Manifest
 from runtime.config.invocation import read_config
 from runtime.errors import SpillpackError, UsageError
 from runtime.config.options import JOB_COMMANDS
 
 from .. import schedulers
-from . import inputs, wheels, zipapp
+from . import engines, inputs, wheels, zipapp
 from .bundle import RUN_SH, Writer
-
-TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
 def _pack_options(p: argparse.ArgumentParser) -> None:
@@ -33,6 +32,8 @@ def _pack_options(p: argparse.ArgumentParser) -> None:
                         "(default: this machine's)")
     p.add_argument("--python", metavar="3.X", help="the target's Python (default: this one's)")
     p.add_argument("--with-torch", choices=("cpu", "cuda"), help="also carry torch as wheels, installed on first start")
+    p.add_argument("--with-mlx", action="store_true",
+                   help="also carry mlx as wheels for the Apple silicon targets (macosx_*_arm64), installed on first start")
     p.add_argument("--include-weights", action="store_true", help="also bundle local model weights")
     p.add_argument("--scheduler", action="append", choices=schedulers.KINDS,
                    help="also write the job's file for skypilot, slurm or kubernetes beside the bundle (repeatable)")
@@ -97,18 +98,6 @@ def _fmt_size(n: int) -> str:
     return f"{n:.1f} TB"
 
 
-def torch_wheels(flavor: str, tag: str, python: str) -> list[Path]:
-    """torch at this machine's version, with everything it needs, for the target (pip resolves the closure)."""
-    import importlib.metadata
-
-    os_ = tag.split("_")[0]
-    if flavor == "cuda" and os_ != "manylinux":
-        raise UsageError(f"--with-torch cuda needs a Linux target, not {tag}", "--with-torch cpu")
-    version = importlib.metadata.version("torch").split("+")[0]
-    extra = ("--index-url", TORCH_CPU_INDEX, "--extra-index-url", "https://pypi.org/simple") if flavor == "cpu" and os_ == "manylinux" else ()
-    return wheels.fetch(tag, python, [f"torch=={version}"], extra_pip=extra, with_deps=True)
-
-
 def main(ns: dict, events) -> int:
     ns, rest = split_args(ns)
     if not ns.get("output"):
@@ -124,6 +113,8 @@ def main(ns: dict, events) -> int:
     inv = job_invocation(rest)
     python = _python(ns.get("python"))
     platforms = sorted({wheels.check_tag(t) for t in ns.get("platform") or [wheels.host_tag()]})
+    with_torch, with_mlx = ns.get("with_torch"), bool(ns.get("with_mlx"))
+    engines.check(platforms, with_torch, with_mlx)
 
     values = {**inv.arguments, **inv.options}
     plan = inputs.plan(values, ns.get("include_weights", False))
@@ -135,40 +126,34 @@ def main(ns: dict, events) -> int:
 
     reqs = wheels.requirements(inputs.uses_s3(values))
     per_platform = {t: wheels.fetch(t, python, reqs) for t in platforms}
-    torch = {t: torch_wheels(ns["with_torch"], t, python) for t in platforms} if ns.get("with_torch") else {}
+    carried = engines.carried(platforms, python, with_torch, with_mlx)
+    usable = {t: engines.usable(t, with_torch, with_mlx) for t in platforms}
 
     with Writer(out) as w:
         data_bytes = 0
         for rel, src in sorted(plan.files.items()):
             w.copy(rel, src)
-            data_bytes += w.entries[rel]["size"]
+            data_bytes += w.entries[rel].size
         w.write("files/job.json", (json.dumps(config, indent=2) + "\n").encode(),
                 origin=str(Path(inv.config_path).absolute()) if inv.config_path else "command line")
         zipapp.build(per_platform, w.tmp / "spillpack.pyz", wheels.cache_root().parent / "pyz")
         w.add_existing("spillpack.pyz", "built by spillpack pack")
-        for tag, ws in torch.items():
+        for tag, ws in carried.items():
             for whl in ws:
                 w.copy(f"wheels/{tag}/{whl.name}", whl)
         name = inv.options.get("name") or inv.command
         w.write("run.sh", RUN_SH.format(command=inv.command, name=name, version=__version__, python=python,
                                         platforms=", ".join(platforms)).encode(), origin="written by spillpack pack", mode=0o755)
         carries = zipapp.carries(per_platform)
-        manifest = {
-            "spillpack_manifest": 1,
-            "packer": f"spillpack {__version__}",
-            "command": inv.command,
-            "name": name,
-            "python": python,
-            "platforms": platforms,
-            "zipapp": {"entry_point": zipapp.ENTRY_POINT, "carries": carries},
-            "with_torch": {"flavor": ns["with_torch"], "key": f"torch-{ns['with_torch']}-py{python}"} if torch else None,
-        }
-        total = sum(e["size"] for e in w.entries.values())
+        manifest = Manifest(packer=f"spillpack {__version__}", command=inv.command, name=name, python=python,
+                            platforms=platforms, zipapp={"entry_point": zipapp.ENTRY_POINT, "carries": carries},
+                            with_torch=with_torch, with_mlx=with_mlx, engines=usable)
+        total = sum(e.size for e in w.entries.values())
         w.finish(manifest)
 
     sched_files = []
     if kinds:
-        values = schedulers.values_for(config, out, python, bool(torch))
+        values = schedulers.values_for(config, out, python, bool(with_torch))
         for kind in kinds:
             sched_files += schedulers.write(kind, values, out.parent)
         if not values.s3:
@@ -177,16 +162,16 @@ def main(ns: dict, events) -> int:
 
     n_data = len(plan.files)
     deps = ", ".join(carries["common"] + sorted({d for t in platforms for d in carries[t]}))
-    torch_note = f"torch ({ns['with_torch']}) as wheels, installed on first start" if torch else "torch from the target's Python"
+    on_target = "; ".join(f"{t}: {', '.join(e)}" for t, e in usable.items())
     run = shlex.quote(str(Path(ns["output"]) / "run.sh"))
     line = (f"packed {inv.command} job {name} into {ns['output']}: {n_data} data file{'s' if n_data != 1 else ''} "
             f"({_fmt_size(data_bytes)}), {_fmt_size(total)} in all; spillpack.pyz carries the runtime with {deps} "
-            f"for {', '.join(platforms)} (Python {python}), {torch_note}. Run it: {run}")
+            f"for {', '.join(platforms)} (Python {python}); engines on the target: {on_target}. Run it: {run}")
     for item in plan.not_bundled:
         events.say(f"note: {item} is not in the bundle and must exist on the target (pack with --include-weights to carry it)")
     if events.headless:
         events.emit("done", complete=True, stopped_early=False, out=str(out), data_files=n_data, bytes=total,
-                    platforms=platforms, python=python, run=str(out / "run.sh"),
+                    platforms=platforms, python=python, engines=usable, run=str(out / "run.sh"),
                     scheduler_files=[str(p) for p in sched_files])
     events.say(line)
     for path in sched_files:

@@ -13,7 +13,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.bootstrap import BUNDLE_PREFIX
+from runtime.bootstrap.manifest import BUNDLE_PREFIX
 from runtime.errors import SpillpackError
 from runtime.models.ref import TAGS
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runtime.bootstrap import parse_tag, this_machine
+from runtime.bootstrap.platforms import parse_tag, this_machine
 from runtime.errors import SpillpackError, UsageError
 from runtime.paths import spillpack_home
 

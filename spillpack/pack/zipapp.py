@@ -3,7 +3,7 @@
 Inside its site-packages: runtime/, the pure-Python wheels, and one directory per target
 platform under _spillpack_platforms/ with that platform's compiled wheels (abi3 extension
 modules have the same file name on every platform, so they cannot share one directory);
-runtime.bootstrap puts the one that fits the machine first on sys.path.
+runtime.bootstrap.platforms puts the one that fits the machine first on sys.path.
 
 Reproducible: shiv sorts entries and takes its build id from a hash of the contents; we
 fix the timestamp (shiv's 1980 default), the file modes, the shebang and the order in
@@ -21,11 +21,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import runtime
-from runtime.bootstrap import PLATFORM_DIR, unpack_wheel
+from runtime.bootstrap.platforms import PLATFORM_DIR
+from runtime.bootstrap.wheels import unpack_wheel
 
 from .wheels import dist_of, is_pure
 
-ENTRY_POINT = "runtime.bootstrap:entry"
+ENTRY_POINT = "runtime.bootstrap.start:entry"
 SHEBANG = "/usr/bin/env python3"
 
 
