@@ -7,5 +7,6 @@ bundle.py     Bundle: root + manifest; localize, check_read, verify
 start.py      the zipapp's entry point (what run.sh starts)
 
 Standard library only (tests/test_layout.py holds it to that): it runs before sys.path is
-complete, and the packer imports it. It never imports the rest of runtime/ but runtime.errors.
+complete, and the packer imports it. Of the rest of runtime/ it imports only runtime.errors and
+runtime.fileio (both stdlib-only), and hands over to runtime.cli once the path is complete.
 """

@@ -8,22 +8,12 @@ checks every bundled file the job reads against the manifest. Standard library o
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 from runtime.bootstrap.manifest import BUNDLE_PREFIX, MANIFEST, PRIVATE_DIR, Manifest
 from runtime.errors import SpillpackError
-
-CHUNK = 1 << 20
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+from runtime.fileio import sha256_bytes, sha256_file
 
 
 def _damaged(rel: str, why: str) -> SpillpackError:
@@ -52,11 +42,11 @@ class Bundle:
                 raise _damaged(rel, "is missing" if not path.exists() else "is not a regular file")
             size = path.stat().st_size
             if size == entry.size:
-                digest = file_sha256(path)
+                digest = sha256_file(path)
         else:
             size = len(data)
             if size == entry.size:
-                digest = hashlib.sha256(data).hexdigest()
+                digest = sha256_bytes(data)
         if size != entry.size:
             raise _damaged(rel, f"has {size} bytes, not {entry.size}")
         if digest != entry.sha256:

@@ -12,8 +12,8 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from runtime.bootstrap.bundle import file_sha256
 from runtime.bootstrap.manifest import MANIFEST, FileEntry, Manifest
+from runtime.fileio import sha256_bytes, sha256_file
 
 CHUNK = 8 << 20
 
@@ -67,7 +67,7 @@ def write_hashed(dest: Path, data: bytes, mode: int = 0o644) -> tuple[int, str]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_bytes(data)
     os.chmod(dest, mode)
-    return len(data), hashlib.sha256(data).hexdigest()
+    return len(data), sha256_bytes(data)
 
 
 class Writer:
@@ -98,7 +98,7 @@ class Writer:
 
     def add_existing(self, rel: str, origin: str) -> None:
         path = self.tmp / rel
-        self.entries[rel] = FileEntry(path.stat().st_size, file_sha256(path), origin)
+        self.entries[rel] = FileEntry(path.stat().st_size, sha256_file(path), origin)
 
     def finish(self, manifest: Manifest) -> None:
         (self.tmp / MANIFEST).write_bytes(replace(manifest, files=dict(self.entries)).to_json())
