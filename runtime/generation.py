@@ -1,15 +1,14 @@
-"""Batched generation with a KV cache and continuous batching.
+"""Batched generation with a KV cache and continuous batching, framework-neutral (numpy only).
 
 A fixed number of slots share one preallocated cache; each step advances every active slot
 by one token, and a finished slot takes the next pending request at once. Sampling draws from
 a per-request generator seeded from (seed, key), so a row's tokens do not depend on which
-rows shared its batch: a resumed job reproduces the rows it redoes.
+rows shared its batch: a resumed job reproduces the rows it redoes, on any engine.
 
-The scheduling here is engine-neutral; what touches the model is a decoder with three
-methods (`prefill(slots, prompts) -> (n, V)` logits at each prompt's last token, `decode(slots,
-last_tokens) -> (n, V)` for the running slots only, `release(slot)`): `TorchDecoder` below,
-or the one a model provides with `make_decoder` (the MLX model does). Logits may be torch
-tensors or numpy arrays.
+What touches the model is a `Decoder`, one per engine (runtime/engines/<engine>/decode.py,
+made by a model's `make_decoder(slots, max_len)`). It returns numpy float32 logits, so
+sampling and the greedy argmax are this module's, the same code on every engine: the same
+logits give the same tokens on torch and on MLX.
 """
 
 from __future__ import annotations
@@ -18,8 +17,9 @@ import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 
+from typing import Protocol
+
 import numpy as np
-import torch
 
 from runtime.errors import SpillpackError
 
@@ -44,66 +44,56 @@ class Result:
     completion_tokens: int
 
 
+class Decoder(Protocol):
+    """One engine's half of generation: a KV cache of `slots` rows of up to `max_len` tokens."""
+
+    slots: int
+    max_len: int
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> np.ndarray:
+        """Start each prompt in its slot (the slot's old keys are dropped); (n, V) float32
+        logits at each prompt's last token."""
+
+    def decode(self, slots: list[int], last: list[int]) -> np.ndarray:
+        """One token for each of `slots`, its last token given; (n, V) float32 logits."""
+
+    def release(self, slot: int) -> None:
+        """The slot's row is done; the next prefill may reuse it."""
+
+
 @dataclass
 class _Row:
     request: Request
-    rng: torch.Generator | None
+    rng: np.random.Generator | None
     tokens: list[int] = field(default_factory=list)
 
 
-def request_generator(seed: int, key: str) -> torch.Generator:
-    # A CPU generator on every engine: the same probabilities give the same draw on CUDA and CPU.
+def request_generator(seed: int, key: str) -> np.random.Generator:
+    """A row's own random stream, from (seed, key) only: not from its batch mates or the engine."""
     digest = hashlib.sha256(f"{seed}\0{key}".encode()).digest()
-    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return np.random.Generator(np.random.PCG64(int.from_bytes(digest[:16], "little")))
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator | None) -> int:
-    """One token from (V,) logits: argmax at temperature 0, else temperature + nucleus sampling."""
+def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator | None) -> int:
+    """One token from (V,) logits: argmax at temperature 0, else temperature + nucleus sampling.
+
+    float64 from the float32 logits on, and one uniform draw per token, inverted through the
+    cumulative probabilities: numpy's own arithmetic, so any engine's logits give the same token.
+    """
     if temperature == 0:
-        return int(logits.argmax())  # the first maximum, in torch and numpy alike
-    logits = torch.as_tensor(np.asarray(logits)) if not isinstance(logits, torch.Tensor) else logits
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+        return int(np.argmax(logits))  # the first maximum
+    x = np.asarray(logits, dtype=np.float64) / temperature
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")  # most likely first; ties in index order
+    sorted_probs = probs[order]
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=rng))
-
-
-class TorchDecoder:
-    """The torch half of generation: batched prefill and decode over one KV cache of `slots` rows."""
-
-    def __init__(self, model, slots: int, max_len: int):
-        self.model = model
-        self.cache = model.make_cache(slots, max_len)
-        self.device = self.cache.k.device
-
-    @torch.inference_mode()
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Start each prompt in its slot, right-padded into one forward; (n, V) logits at each prompt's end."""
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        width = max(map(len, prompts))
-        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)  # (n, width)
-        view = self.cache.view(slots)
-        view.lengths.zero_()  # the slots' old keys are masked out, no need to clear them
-        hidden = self.model.hidden_states(ids, cache=view)  # (n, width, D)
-        # Pad tokens were written past each prompt's end: a length that stops at the prompt hides them.
-        self.cache.lengths[view.index if view.index is not None else slice(None)] = lengths
-        return self.model.logits(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # (n, V)
-
-    @torch.inference_mode()
-    def decode(self, slots: list[int], last: list[int]) -> torch.Tensor:
-        """One token for each of `slots` (its last token given); (n, V) logits."""
-        view = self.cache.view(slots)
-        logits = self.model(torch.tensor(last, device=self.device)[:, None], cache=view)[:, -1]
-        if view.index is not None:
-            self.cache.lengths[view.index] = view.lengths
-        return logits
-
-    def release(self, slot: int) -> None:
-        self.cache.lengths[slot] = 0
+        keep = np.cumsum(sorted_probs) - sorted_probs < top_p
+        order, sorted_probs = order[keep], sorted_probs[keep]
+    cdf = np.cumsum(sorted_probs)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return int(order[min(i, len(order) - 1)])
 
 
 class Generator:
@@ -111,13 +101,12 @@ class Generator:
     # forward for many prompts saves per-call overhead, padding costs compute.
     MAX_PAD_SHARE = 0.25
 
-    def __init__(self, model, tokenizer, slots: int, max_len: int):
-        assert slots >= 1 and max_len >= 2
+    def __init__(self, decoder: Decoder, tokenizer):
+        assert decoder.slots >= 1 and decoder.max_len >= 2
         self.tokenizer = tokenizer
-        self.slots, self.max_len = slots, max_len
-        make = getattr(model, "make_decoder", None)
-        self.decoder = make(slots, max_len) if make else TorchDecoder(model, slots, max_len)
-        self.rows: list[_Row | None] = [None] * slots
+        self.decoder = decoder
+        self.slots, self.max_len = decoder.slots, decoder.max_len
+        self.rows: list[_Row | None] = [None] * self.slots
         self.pending: deque[Request] = deque()
         self.eos = tokenizer.eos_token_ids
 
@@ -171,9 +160,9 @@ class Generator:
             groups.append([req])
         return groups
 
-    def _push(self, slots: list[int], logits, finished: list[Result]) -> None:
+    def _push(self, slots: list[int], logits: np.ndarray, finished: list[Result]) -> None:
         """Each slot's next token from its row of (n, V) logits; finished rows leave their slots."""
-        # Greedy rows take one argmax over the batch (on the device), sampled rows draw their own.
+        # Greedy rows take one argmax over the batch, sampled rows draw their own.
         greedy = logits.argmax(-1).tolist()
         for n, slot in enumerate(slots):
             row = self.rows[slot]
@@ -194,11 +183,12 @@ class Generator:
 
 def generate(model, tokenizer, prompts, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, batch: int = 8) -> list[Result]:
-    """Complete each prompt (text, encoded as is, or a list of token ids); results in input order."""
+    """Complete each prompt (text, encoded as is, or a list of token ids) with any engine's
+    model (through its `make_decoder`); results in input order."""
     encoded = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     if not encoded:
         return []
-    gen = Generator(model, tokenizer, slots=min(batch, len(encoded)), max_len=max(map(len, encoded)) + max_tokens)
+    gen = Generator(model.make_decoder(min(batch, len(encoded)), max(map(len, encoded)) + max_tokens), tokenizer)
     for i, ids in enumerate(encoded):
         gen.add(Request(str(i), ids, max_tokens, temperature, top_p, seed))
     results: dict[str, Result] = {}

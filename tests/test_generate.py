@@ -62,7 +62,7 @@ def test_rows_of_different_lengths_match_transformers(qwen):
     expected = hf_greedy(hf, prompts, 12, tok.pad_token_id)
     tok_free = Tokenizer.from_dir(tok.path)
     tok_free.eos_token_ids = frozenset()
-    gen = Generator(model, tok_free, slots=3, max_len=64)
+    gen = Generator(model.make_decoder(3, 64), tok_free)
     for i, (p, n) in enumerate(zip(prompts, limits)):
         gen.add(Request(str(i), p, max_tokens=n))
     got = {}
@@ -91,7 +91,7 @@ def test_sampling_does_not_depend_on_batch_mates(qwen):
     kw = dict(max_tokens=10, temperature=0.9, top_p=0.9, seed=7)
 
     def run(keys_prompts, slots):
-        gen = Generator(model, tok, slots=slots, max_len=64)
+        gen = Generator(model.make_decoder(slots, 64), tok)
         for key, p in keys_prompts:
             gen.add(Request(key, p, **kw))
         out = {}
@@ -125,6 +125,28 @@ def test_top_p_tiny_is_greedy(qwen):
 
 def test_request_too_long_is_refused(qwen):
     model, tok, _ = qwen
-    gen = Generator(model, tok, slots=1, max_len=8)
+    gen = Generator(model.make_decoder(1, 8), tok)
     with pytest.raises(SpillpackError, match="exceed the context of 8"):
         gen.add(Request("a", [1, 2, 3, 4, 5], max_tokens=4))
+
+
+def test_sample_is_numpy_and_follows_the_distribution():
+    """Sampling is numpy's: a row's draws depend on (seed, key) and the logits only, follow the
+    softmax at the temperature, and top-p keeps exactly the nucleus."""
+    import numpy as np
+
+    from runtime.generation import request_generator, sample
+
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+    draws = [sample(logits, 1.0, 1.0, request_generator(0, "k")) for _ in range(3)]
+    assert len(set(draws)) == 1  # the same stream gives the same first draw
+    rng = request_generator(0, "k")
+    counts = np.bincount([sample(logits, 1.0, 1.0, rng) for _ in range(20000)], minlength=4) / 20000
+    np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.015)
+    rng = request_generator(1, "k")
+    nucleus = {sample(logits, 1.0, 0.7, rng) for _ in range(2000)}
+    assert nucleus == {0, 1}  # 0.5 < 0.7 <= 0.8: the first two tokens
+    assert sample(logits, 0.0, 1.0, None) == 0
+    # A low temperature sharpens toward the argmax.
+    rng = request_generator(2, "k")
+    assert sum(sample(logits, 0.05, 1.0, rng) == 0 for _ in range(200)) == 200

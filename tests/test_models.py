@@ -107,20 +107,22 @@ def test_bfloat16_load(tmp_path):
 
 
 def test_llama3_rope_scaling_is_applied(tmp_path):
-    from runtime.engines.torch.models.llama import ModelArgs, rope_inv_freq
+    from runtime.models.args import ModelArgs, rope_inv_freq
 
     path, hf = make_llama(tmp_path / "l")
     args = ModelArgs.from_dict(resolve_model(str(path)).config)
     assert args.rope_scaling["rope_type"] == "llama3" and args.rope_theta == 500000.0
-    assert torch.allclose(rope_inv_freq(args), hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    ours = torch.from_numpy(rope_inv_freq(args))
+    assert ours.dtype == torch.float32
+    assert torch.allclose(ours, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
     plain = ModelArgs.from_dict({**resolve_model(str(path)).config, "rope_parameters": {"rope_theta": 500000.0}})
-    assert not torch.allclose(rope_inv_freq(plain), rope_inv_freq(args))
+    assert not torch.allclose(torch.from_numpy(rope_inv_freq(plain)), ours)
 
 
 def test_model_args_fill_derived_defaults():
-    from runtime.engines.torch.models import qwen2
+    from runtime.models.args import Qwen2Args
 
-    args = qwen2.ModelArgs.from_dict({
+    args = Qwen2Args.from_dict({
         "model_type": "qwen2", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
         "num_hidden_layers": 1, "num_attention_heads": 8, "rope_theta": 1e6, "unknown_key": 1,
     })

@@ -12,7 +12,8 @@
         adapter() -> dict[str, np.ndarray]  canonical LoRA tensors
         merged_weights() -> dict[str, np.ndarray]  base + scale * B @ A, HF names, float32
         pad_id
-    load_model(model_dir, adapter=None) -> a model runtime.generation's Generator can drive
+    load_model(model_dir, adapter=None) -> the engine's model; model.make_decoder(slots, max_len)
+                                        gives the Decoder runtime.generation's Generator drives
     generator(model_dir, tokenizer, adapter, slots, max_len) -> runtime.generation.Generator
     peak_mem_gb() -> float
 """

@@ -9,7 +9,7 @@ tune is exactly the base model. Written out twice: the PEFT layout (loadable by
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -140,8 +140,3 @@ def load_adapter(directory: Path) -> tuple[dict[str, np.ndarray], LoraSpec]:
     spec = LoraSpec(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]), targets=targets, dropout=float(cfg.get("lora_dropout", 0.0)))
     return tensors, spec
 
-
-def spec_dict(spec: LoraSpec) -> dict:
-    d = asdict(spec)
-    d["targets"] = list(spec.targets)
-    return d

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import SpillpackError
 from runtime.paths import spillpack_home
+from runtime.models.arch import architecture
+from runtime.models.weights import read_safetensors_header, weight_files
 from runtime.state.store import local_file
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -50,20 +50,6 @@ class ModelDir:
             h.update(f"\0{f.name}\0{f.stat().st_size}\0".encode())
             h.update(read_safetensors_header(f))
         return h.hexdigest()
-
-
-def read_safetensors_header(f: Path) -> bytes:
-    """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
-    try:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            if n > 100_000_000 or n > f.stat().st_size - 8:
-                raise ValueError("header length is larger than the file")
-            header = fh.read(n)
-        json.loads(header)
-    except (OSError, struct.error, ValueError) as e:
-        raise SpillpackError(f"{f} is not a readable safetensors file ({e})", f"re-download the weights into {f.parent}")
-    return header
 
 
 def local_path(uri: str, kind: str = "weights") -> Path:
@@ -135,19 +121,12 @@ def validate(path: Path, tag: Tag | None = None) -> ModelDir:
     for name in TOKENIZER_FILES:
         if not (path / name).exists():
             raise SpillpackError(f"no {name} in {path}", f"copy the tokenizer files of the model into {path}")
-    arch = config.get("model_type")
-    if arch not in SUPPORTED_ARCHS:
-        raise SpillpackError(
-            f"{config_file}: model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})",
-            "a qwen2 or llama checkpoint, such as --model qwen2.5:0.5b or --model tiny",
-        )
+    arch = architecture(config, str(config_file)).model_type
     if tag is not None and arch != tag.arch:
         raise SpillpackError(
             f"{config_file} has model_type {arch!r}, but the tag expects {tag.arch!r}",
             f"--weights pointing at a download of {tag.hf_repo}",
         )
-    from runtime.engines.torch.models import weight_files  # torch is imported only when a model is really used
-
     for f in weight_files(path):
         if not f.exists():
             raise SpillpackError(f"{f.name} is named in model.safetensors.index.json but missing from {path}", f"re-download the weights into {path}")

@@ -108,10 +108,6 @@ class Tokenizer:
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
         return cls(tok, tokenizer_config, _read_json(path / "config.json"), _read_json(path / "generation_config.json"), template, path)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -173,7 +173,7 @@ class MLXEngine:
     def generator(self, model_dir, tokenizer, adapter=None, slots: int = 8, max_len: int = 2048):
         from runtime.generation import Generator
 
-        return Generator(self.load_model(model_dir, adapter), tokenizer, slots=slots, max_len=max_len)
+        return Generator(self.load_model(model_dir, adapter).make_decoder(slots, max_len), tokenizer)
 
     def peak_mem_gb(self) -> float:
         return mx.get_peak_memory() / 2**30

@@ -160,7 +160,7 @@ class TorchEngine:
     def generator(self, model_dir, tokenizer, adapter=None, slots: int = 8, max_len: int = 2048):
         from runtime.generation import Generator
 
-        return Generator(self.load_model(model_dir, adapter), tokenizer, slots=slots, max_len=max_len)
+        return Generator(self.load_model(model_dir, adapter).make_decoder(slots, max_len), tokenizer)
 
     def peak_mem_gb(self) -> float:
         if self.device.type == "cuda":

@@ -1,4 +1,5 @@
-"""MLX models: the same architectures as runtime.engines.torch.models, loaded strictly from the same HF directory."""
+"""The MLX engine's models: each architecture's module (named by runtime.models.arch) and
+strict loading of the same Hugging Face directory the torch engine reads."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from runtime.errors import SpillpackError
-from runtime.engines.mlx.models import llama
-from runtime.engines.torch.models import architecture, check_weights, weight_files
+from runtime.models.arch import architecture
+from runtime.models.weights import check_weights, weight_files
 
 if TYPE_CHECKING:
     from runtime.models.ref import ModelDir
@@ -26,12 +27,13 @@ def load_weights(files, dtype) -> dict:
     return weights
 
 
-def load_model(model_dir: "ModelDir", dtype=mx.float32) -> llama.Model:
-    """Build the architecture named by config.json (its torch-side ModelArgs) and load strictly."""
+def load_model(model_dir: "ModelDir", dtype=mx.float32):
+    """Build the architecture named by config.json and load its weights strictly."""
     arch = architecture(model_dir.config, str(model_dir.path / "config.json"))
-    model = llama.Model(arch.ModelArgs.from_dict(model_dir.config))  # qwen2's args switch on the q/k/v biases
+    args = arch.args.from_dict(model_dir.config)
+    model = arch.model_module("mlx").Model(args)
     files = weight_files(model_dir.path)
-    weights = model.sanitize(load_weights(files, dtype))
+    weights = arch.sanitize(args, load_weights(files, dtype))
     check_weights({k: v.shape for k, v in tree_flatten(model.parameters())}, {k: v.shape for k, v in weights.items()},
                   files, model_dir)
     model.load_weights(list(weights.items()), strict=True)

@@ -1,10 +1,10 @@
-"""Llama-3 / Qwen2 decoder in MLX, the same model as runtime/models/llama.py.
+"""Llama-3 / Qwen2 decoder in MLX, the same model as runtime/engines/torch/models/llama.py.
 
 Attribute names are the Hugging Face checkpoint keys, so the same safetensors load without a
 rename table and LoRA wraps each linear by the name PEFT uses. The arguments, the rotary
-frequencies and the per-architecture quirks are the torch side's (runtime.engines.torch.models), so the
-two engines cannot drift apart on what a config.json means. Qwen2 is this model with q/k/v
-biases, which its ModelArgs turns on.
+frequencies and the checkpoint quirks are framework-neutral (runtime.models), so the two
+engines cannot drift apart on what a config.json means. Qwen2 is this model with q/k/v
+biases, which its arguments turn on.
 """
 
 from __future__ import annotations
@@ -13,17 +13,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from runtime.engines.torch.models import llama as torch_llama
-from runtime.engines.torch.models.llama import ModelArgs, rope_inv_freq
+from runtime.models.args import ModelArgs, rope_inv_freq
 
 
 class KVCache:
     """Preallocated keys and values for every layer, with one length per row.
 
     Layout (B, max_len, kv_heads, head_dim) per layer so that a write is one scatter at
-    (row, position). Lengths live on the host (numpy): they are bookkeeping, and a one-row
-    view (`row(b)`) shares them and the layer arrays, so a prefill through the view lands in
-    slot b. Keys past a row's length are garbage and are masked out.
+    (row, position). Lengths live on the host (numpy): they are bookkeeping. Keys past a
+    row's length are garbage and are masked out, so a slot is reused without clearing it.
     """
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=mx.float32):
@@ -33,13 +31,6 @@ class KVCache:
         self.lengths = np.zeros(batch, dtype=np.int64)
         self.rows = np.arange(batch)
         self.max_len = max_len
-
-    def row(self, b: int) -> "KVCache":
-        view = KVCache.__new__(KVCache)
-        view.k, view.v, view.max_len = self.k, self.v, self.max_len
-        view.lengths = self.lengths[b : b + 1]  # a numpy view: the prefill's length update lands here
-        view.rows = self.rows[b : b + 1]
-        return view
 
     def view(self, slots: list[int]) -> "KVCache":
         """Some slots, in the given order, as one batch. Its lengths are a copy (fancy indexing):
@@ -125,7 +116,7 @@ class LlamaModel(nn.Module):
         self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
         # Underscore: not a parameter, never saved or trained.
-        self._inv_freq = mx.array(rope_inv_freq(args).numpy())  # (head_dim/2,)
+        self._inv_freq = mx.array(rope_inv_freq(args))  # (head_dim/2,)
 
     def __call__(self, input_ids, cache: KVCache | None = None):
         B, T = input_ids.shape
@@ -174,37 +165,8 @@ class Model(nn.Module):
     def make_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(self.args, batch, max_len, dtype=self.model.embed_tokens.weight.dtype)
 
-    def make_decoder(self, slots: int, max_len: int) -> "Decoder":
-        return Decoder(self, slots, max_len)
+    def make_decoder(self, slots: int, max_len: int):
+        """What runtime.generation's Generator drives: batched prefill and decode over a KV cache."""
+        from runtime.engines.mlx.decode import MLXDecoder
 
-    sanitize = torch_llama.Model.sanitize  # the same checkpoint quirks: one definition
-
-
-class Decoder:
-    """The MLX half of runtime.generation's Generator: slot prefill and batched decode, numpy logits out."""
-
-    def __init__(self, model: Model, slots: int, max_len: int):
-        self.model = model
-        self.cache = model.make_cache(slots, max_len)
-
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> np.ndarray:
-        """Each prompt into its slot, right-padded into one forward; (n, V) logits at each prompt's end."""
-        lengths = np.array([len(p) for p in prompts])
-        width = int(lengths.max())
-        ids = mx.array([p + [0] * (width - len(p)) for p in prompts])  # (n, width)
-        view = self.cache.view(slots)
-        view.lengths[:] = 0  # the slots' old keys are masked out, no need to clear them
-        hidden = self.model.hidden_states(ids, cache=view)  # (n, width, D)
-        self.cache.lengths[view.rows] = lengths  # pad tokens were written past each prompt's end
-        last = hidden[mx.arange(len(prompts)), mx.array(lengths - 1)]  # (n, D)
-        return np.array(self.model.logits(last).astype(mx.float32))
-
-    def decode(self, slots: list[int], last: list[int]) -> np.ndarray:
-        """One token for each of `slots` (its last token given); (n, V) logits."""
-        view = self.cache.view(slots)
-        logits = self.model(mx.array(last)[:, None], cache=view)[:, -1]  # (n, V)
-        self.cache.lengths[view.rows] = view.lengths
-        return np.array(logits.astype(mx.float32))
-
-    def release(self, slot: int) -> None:
-        self.cache.lengths[slot] = 0
+        return MLXDecoder(self, slots, max_len)

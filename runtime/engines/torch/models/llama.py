@@ -1,4 +1,4 @@
-"""Llama-3 decoder in plain torch, one readable file.
+"""Llama-3 decoder in plain torch, one readable file (Qwen2 too: its arguments add q/k/v biases).
 
 Attribute names are the Hugging Face checkpoint keys (`model.layers.N.self_attn.q_proj`, ...),
 so a checkpoint loads without a rename table and LoRA can wrap each `nn.Linear` by the name
@@ -7,54 +7,11 @@ PEFT would use. Classes go from the smallest piece to the whole model.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.errors import SpillpackError
-
-
-@dataclass
-class ModelArgs:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    def __post_init__(self):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        assert self.num_attention_heads % self.num_key_value_heads == 0, "GQA needs heads % kv_heads == 0"
-
-    @classmethod
-    def from_dict(cls, config: dict) -> "ModelArgs":
-        config = dict(config)
-        # transformers >= 5 writes rope_theta and the scaling into one `rope_parameters` dict;
-        # checkpoints on the Hub still carry the older `rope_theta` + `rope_scaling` pair.
-        rope = config.get("rope_parameters") or {}
-        if "rope_theta" not in config and "rope_theta" in rope:
-            config["rope_theta"] = rope["rope_theta"]
-        if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
-            config["rope_scaling"] = rope
-        known = {f.name for f in fields(cls)}
-        args = {k: v for k, v in config.items() if k in known and v is not None}
-        return cls(**args)
+from runtime.models.args import ModelArgs, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -69,42 +26,12 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,), with the Llama-3.1 long-context scaling when configured."""
-    dim = args.head_dim
-    # device="cpu" on purpose: models are built on the meta device and this must stay real.
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    scaling = args.rope_scaling
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind != "llama3":
-        raise SpillpackError(
-            f"rope scaling type {kind!r} in config.json is not supported (supported: default, linear, llama3)",
-            "a model without that rope_scaling, such as qwen2.5:0.5b or llama3.2:1b",
-        )
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated.
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         # A plain attribute, not a buffer: it is not in checkpoints, and model.to(bfloat16)
         # must not round the frequencies.
-        self.inv_freq = rope_inv_freq(args)
+        self.inv_freq = torch.from_numpy(rope_inv_freq(args))  # (head_dim/2,) float32, on the CPU
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and sin (B, 1, T, head_dim) for `apply_rope`, sin with the rotation's sign in it."""
@@ -313,9 +240,8 @@ class Model(nn.Module):
         p = self.model.embed_tokens.weight
         return KVCache(self.args, batch, max_len, dtype=p.dtype, device=p.device)
 
-    def sanitize(self, weights: dict) -> dict:
-        """Drop what checkpoints carry but the model does not own: rotary buffers, a tied head."""
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-        return weights
+    def make_decoder(self, slots: int, max_len: int):
+        """What runtime.generation's Generator drives: batched prefill and decode over a KV cache."""
+        from runtime.engines.torch.decode import TorchDecoder
+
+        return TorchDecoder(self, slots, max_len)

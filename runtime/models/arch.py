@@ -1,0 +1,61 @@
+"""The one table of supported architectures: config.json's model_type -> its arguments, its
+checkpoint quirks, and the module holding its model in each framework.
+
+The framework modules are named, not imported: reading the table (to validate a directory,
+to refuse an unknown model_type, to list what is supported) never imports torch or mlx, and an
+engine imports only its own model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from runtime.errors import SpillpackError
+from runtime.models.args import ModelArgs, Qwen2Args
+
+FRAMEWORKS = ("torch", "mlx")
+
+
+def sanitize_llama(args: ModelArgs, weights: dict) -> dict:
+    """Drop what Llama-style checkpoints carry but the model does not own: rotary buffers
+    (old checkpoints saved inv_freq) and the head of a tied model (some save it anyway).
+    Keys only, so one definition serves every framework's tensors."""
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    if args.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return weights
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    args: type[ModelArgs]
+    module: str  # file name under runtime/engines/<framework>/models/
+    sanitize: Callable[[ModelArgs, dict], dict] = sanitize_llama
+    frameworks: tuple[str, ...] = field(default=FRAMEWORKS)
+
+    def model_module(self, framework: str):
+        """runtime.engines.<framework>.models.<module>, imported now (it imports its framework)."""
+        assert framework in self.frameworks, (self.model_type, framework)
+        return importlib.import_module(f"runtime.engines.{framework}.models.{self.module}")
+
+
+# Qwen2 is the Llama decoder with q/k/v biases, which its arguments switch on: one model file.
+ARCHITECTURES = {
+    "llama": Architecture("llama", ModelArgs, "llama"),
+    "qwen2": Architecture("qwen2", Qwen2Args, "llama"),
+}
+SUPPORTED = ", ".join(sorted(ARCHITECTURES))
+
+
+def architecture(config: dict, where: str = "config.json") -> Architecture:
+    """The architecture config.json names, or the one refusal that lists every supported one."""
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise SpillpackError(
+            f"{where}: model_type {model_type!r} is not supported (supported: {SUPPORTED})",
+            "a checkpoint of a supported architecture, such as --model qwen2.5:0.5b --weights DIR, or --model tiny",
+        )
+    return ARCHITECTURES[model_type]
