@@ -93,3 +93,41 @@ def _randomize(model) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+# -- the families of issue 14: small random configs from transformers' own config classes ----
+
+FAMILY_SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    max_position_embeddings=256)
+WINDOW = 8  # shorter than most test prompts, so sliding layers really slide
+FAMILIES = {
+    # name: (config class, model class, config arguments)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2)),
+    "qwen3-window": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2, use_sliding_window=True,
+                                                               sliding_window=WINDOW, max_window_layers=1)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, sliding_window=WINDOW)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=2, partial_rotary_factor=0.75)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                                                                moe_intermediate_size=32, norm_topk_prob=True)),
+}
+
+
+def make_family(name: str, out: Path, seed=0, **overrides):
+    """A random HF directory of one family (tiny's tokenizer and chat template), and the HF model."""
+    import transformers
+
+    config_class, model_class, kwargs = FAMILIES[name]
+    out.mkdir(parents=True, exist_ok=True)
+    copy_tiny_tokenizer(out)
+    vocab = json.loads((ensure_tiny() / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(vocab_size=vocab, eos_token_id=vocab - 1, bos_token_id=vocab - 3,
+                                                 pad_token_id=vocab - 3, **{**FAMILY_SMALL, **kwargs, **overrides})
+    model = getattr(transformers, model_class)(config).eval()
+    _randomize(model)
+    return _save(model, out), model

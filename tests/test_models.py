@@ -120,7 +120,7 @@ def test_llama3_rope_scaling_is_applied(tmp_path):
 
 
 def test_model_args_fill_derived_defaults():
-    from runtime.models.args import Qwen2Args
+    from runtime.models.families import Qwen2Args
 
     args = Qwen2Args.from_dict({
         "model_type": "qwen2", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
@@ -223,10 +223,11 @@ def test_tag_with_weights(tmp_path):
 def test_unsupported_model_type(tmp_path):
     d = copy_tiny(tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral"}))
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(SpillpackError) as e:
         resolve_model(str(d))
-    assert error_line(e).startswith(f"spillpack: {d / 'config.json'}: model_type 'mistral' is not supported (supported: llama, qwen2)")
+    assert error_line(e).startswith(f"spillpack: {d / 'config.json'}: model_type 'gpt2' is not supported "
+                                    "(supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3, qwen3_moe)")
 
 
 def test_missing_tokenizer_and_bad_json(tmp_path):

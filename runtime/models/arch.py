@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from runtime.errors import SpillpackError
-from runtime.models.args import ModelArgs, Qwen2Args
+from runtime.models.args import ModelArgs
+from runtime.models.families import Gemma3Args, MistralArgs, Phi3Args, Qwen2Args, Qwen3Args, Qwen3MoeArgs
 
 FRAMEWORKS = ("torch", "mlx")
 
@@ -42,10 +43,16 @@ class Architecture:
         return importlib.import_module(f"runtime.engines.{framework}.models.{self.module}")
 
 
-# Qwen2 is the Llama decoder with q/k/v biases, which its arguments switch on: one model file.
+# Qwen2 (q/k/v biases) and Mistral (a sliding window) are the Llama decoder with other
+# arguments, so they share its model file, as in mlx-lm.
 ARCHITECTURES = {
     "llama": Architecture("llama", ModelArgs, "llama"),
     "qwen2": Architecture("qwen2", Qwen2Args, "llama"),
+    "mistral": Architecture("mistral", MistralArgs, "llama"),
+    "qwen3": Architecture("qwen3", Qwen3Args, "qwen3"),
+    "qwen3_moe": Architecture("qwen3_moe", Qwen3MoeArgs, "qwen3_moe"),
+    "phi3": Architecture("phi3", Phi3Args, "phi3"),
+    "gemma3_text": Architecture("gemma3_text", Gemma3Args, "gemma3"),
 }
 SUPPORTED = ", ".join(sorted(ARCHITECTURES))
 

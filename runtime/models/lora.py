@@ -16,6 +16,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from runtime.errors import SpillpackError
+from runtime.models.arch import architecture
 
 PEFT_PREFIX = "base_model.model."
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -37,25 +38,17 @@ class LoraSpec:
 
 
 def target_linears(config: dict, targets: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """HF module name -> (in_features, out_features) for each adapted linear layer."""
-    hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads") or heads
-    inter = config["intermediate_size"]
-    shapes = {
-        "self_attn.q_proj": (hidden, heads * head_dim),
-        "self_attn.k_proj": (hidden, kv * head_dim),
-        "self_attn.v_proj": (hidden, kv * head_dim),
-        "self_attn.o_proj": (heads * head_dim, hidden),
-        "mlp.gate_proj": (hidden, inter),
-        "mlp.up_proj": (hidden, inter),
-        "mlp.down_proj": (inter, hidden),
-    }
+    """HF module name -> (in_features, out_features) for each adapted linear layer.
+
+    The architecture's arguments list its linears (runtime.models.args.lora_linears): Phi-3's
+    fused qkv_proj and gate_up_proj, Qwen3-MoE's attention projections, the others' seven.
+    """
+    shapes = architecture(config).args.from_dict(config).lora_linears()
     known = {k.split(".")[-1] for k in shapes}
     unknown = [t for t in targets if t not in known]
     if unknown:
-        raise SpillpackError(f"unknown LoRA target {unknown[0]!r}", f"--targets with some of {','.join(sorted(known))}")
+        raise SpillpackError(f"unknown LoRA target {unknown[0]!r} for {config.get('model_type')}",
+                             f"--targets with some of {','.join(sorted(known))}")
     out = {}
     for layer in range(config["num_hidden_layers"]):
         for name, shape in shapes.items():

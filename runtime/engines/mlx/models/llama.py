@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from runtime.models.args import ModelArgs, rope_inv_freq
+from runtime.models.args import ModelArgs, rope
 
 
 class KVCache:
@@ -60,24 +60,59 @@ def rotate_half(x):
     return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def apply_rope(x, cos, sin):
+    """x (B, heads, T, head_dim) rotated on its first rotary_dim dims; cos, sin (B, T, rotary_dim)."""
+    r = cos.shape[-1]
+    rot = x[..., :r] * cos[:, None] + rotate_half(x[..., :r]) * sin[:, None]
+    return rot if r == x.shape[-1] else mx.concatenate([rot, x[..., r:]], axis=-1)
+
+
+class Rotary:
+    """A layer type's rotary embedding (runtime.models.args.Rope) as mlx arrays; not a Module,
+    so nothing of it is a parameter."""
+
+    def __init__(self, args: ModelArgs, layer_type: str):
+        r = rope(args, layer_type)
+        self.inv_freq = mx.array(r.inv_freq)  # (rotary_dim/2,)
+        self.long_inv_freq = None if r.long_inv_freq is None else mx.array(r.long_inv_freq)
+        self.long_from, self.scale = r.long_from, r.scale
+
+    def __call__(self, positions: np.ndarray, dtype):
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None and int(positions.max()) + 1 > self.long_from:
+            inv_freq = self.long_inv_freq  # LongRoPE: as transformers switches, per forward
+        freqs = mx.array(positions.astype(np.float32))[..., None] * inv_freq  # (B, T, rotary_dim/2)
+        emb = mx.concatenate([freqs, freqs], axis=-1)  # (B, T, rotary_dim)
+        cos, sin = mx.cos(emb), mx.sin(emb)
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.astype(dtype), sin.astype(dtype)
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         d, hd = args.hidden_size, args.head_dim
         self.scale = hd**-0.5
+        self.window, self.layer_type = args.window(layer), args.layer_types[layer]
         self.q_proj = nn.Linear(d, self.n_heads * hd, bias=args.attention_bias)
         self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=args.attention_bias)
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
 
+    def project(self, x):
+        """q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), before the rotation."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return q, k, v
+
     def __call__(self, x, cos, sin, mask, cache=None, layer=0, slots=None, span=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)  # (B, heads, T, head_dim)
-        k = self.k_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)  # (B, kv_heads, T, head_dim)
-        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q = q * cos[:, None] + rotate_half(q) * sin[:, None]
-        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+        q, k, v = self.project(x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, k, v, slots, span)  # (B, kv_heads, S, head_dim)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)  # GQA handled inside
@@ -97,10 +132,12 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    attention, mlp_class = Attention, MLP  # a family swaps in its own
+
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.self_attn = self.attention(args, layer)
+        self.mlp = self.mlp_class(args)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -109,42 +146,66 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def build_mask(positions: np.ndarray, span: int, window: int | None):
+    """(B, 1, T, S) boolean: query t of row b (at cache index positions[b, t]) sees keys up to
+    itself, and with a window only the `window` keys ending at itself (transformers' rule:
+    key index > query index - window). Older keys of a reused slot are hidden too."""
+    k_idx = np.arange(span)[None, None, None, :]
+    q_idx = positions[:, None, :, None]
+    allowed = k_idx <= q_idx
+    if window is not None:
+        allowed = allowed & (k_idx > q_idx - window)
+    return mx.array(allowed)
+
+
 class LlamaModel(nn.Module):
+    block, norm_class = TransformerBlock, nn.RMSNorm  # a family swaps in its own
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, args.rms_norm_eps)
-        # Underscore: not a parameter, never saved or trained.
-        self._inv_freq = mx.array(rope_inv_freq(args))  # (head_dim/2,)
+        self.layers = [self.block(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = self.norm_class(args.hidden_size, args.rms_norm_eps)
+        # Underscore: not a parameter, never saved or trained. One per layer type (Gemma 3).
+        self._rotary = {t: Rotary(args, t) for t in sorted(set(args.layer_types))}
+
+    def embed(self, input_ids):
+        return self.embed_tokens(input_ids)  # (B, T, D)
 
     def __call__(self, input_ids, cache: KVCache | None = None):
         B, T = input_ids.shape
         offsets = cache.lengths if cache is not None else np.zeros(B, dtype=np.int64)
         positions = offsets[:, None] + np.arange(T)[None, :]  # (B, T), host side
-        if cache is None:
-            mask, slots, span = ("causal" if T > 1 else None), None, None
-        else:
+        slots = span = None
+        if cache is not None:
             slots, span = positions, int(positions.max()) + 1
             assert span <= cache.max_len, f"KV cache overflow: need {span} positions, have {cache.max_len}"
-            # Query t of row b sees keys up to its own position; older keys of a reused slot are hidden.
-            mask = mx.array(np.arange(span)[None, None, None, :] <= positions[:, None, :, None])  # (B, 1, T, S)
-        freqs = mx.array(positions.astype(np.float32))[..., None] * self._inv_freq  # (B, T, head_dim/2)
-        emb = mx.concatenate([freqs, freqs], axis=-1)  # (B, T, head_dim)
-        x = self.embed_tokens(input_ids)  # (B, T, D)
-        cos, sin = mx.cos(emb).astype(x.dtype), mx.sin(emb).astype(x.dtype)
+        masks = {}
+        for layer in self.layers:
+            w = layer.self_attn.window
+            if w in masks:
+                continue
+            if cache is None and (w is None or w >= T):
+                masks[w] = "causal" if T > 1 else None  # the fused kernel's own causal mask
+            else:
+                masks[w] = build_mask(positions, span or T, w)
+        x = self.embed(input_ids)  # (B, T, D)
+        rotations = {t: r(positions, x.dtype) for t, r in self._rotary.items()}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, slots, span)
+            cos, sin = rotations[layer.self_attn.layer_type]
+            x = layer(x, cos, sin, masks[layer.self_attn.window], cache, i, slots, span)
         if cache is not None:
             cache.lengths += T
         return self.norm(x)
 
 
 class Model(nn.Module):
+    decoder = LlamaModel  # a family's decoder stack
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args)
+        self.model = self.decoder(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.args import ModelArgs, rope_inv_freq
+from runtime.models.args import ModelArgs, rope
 
 
 class RMSNorm(nn.Module):
@@ -27,27 +27,38 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_type: str = "full_attention"):
         super().__init__()
-        # A plain attribute, not a buffer: it is not in checkpoints, and model.to(bfloat16)
+        r = rope(args, layer_type)
+        # Plain attributes, not buffers: they are not in checkpoints, and model.to(bfloat16)
         # must not round the frequencies.
-        self.inv_freq = torch.from_numpy(rope_inv_freq(args))  # (head_dim/2,) float32, on the CPU
+        self.inv_freq = torch.from_numpy(r.inv_freq)  # (rotary_dim/2,) float32, on the CPU
+        self.long_inv_freq = None if r.long_inv_freq is None else torch.from_numpy(r.long_inv_freq)
+        self.long_from, self.scale = r.long_from, r.scale
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos and sin (B, 1, T, head_dim) for `apply_rope`, sin with the rotation's sign in it."""
-        inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None, :, None].float() * inv_freq  # (B, 1, T, head_dim/2)
+        """cos and sin (B, 1, T, rotary_dim) for `apply_rope`, sin with the rotation's sign in it."""
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None and int(positions.max()) + 1 > self.long_from:
+            inv_freq = self.long_inv_freq  # LongRoPE: as transformers switches, per forward
+        freqs = positions[:, None, :, None].float() * inv_freq.to(positions.device)  # (B, 1, T, rotary_dim/2)
         cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
         return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
 
 def apply_rope(x, cos, sin):
-    """x (B, heads, T, head_dim) rotated: x * cos + rotate_half(x) * sin.
+    """x (B, heads, T, head_dim) rotated: x * cos + rotate_half(x) * sin on the first rotary_dim dims.
 
     rotate_half(x) = [-x2, x1] is the halves swapped (a roll) times [-1, 1], folded into sin:
-    the same products, two ops fewer per call.
+    the same products, two ops fewer per call. Partial rotary (Phi-4-mini) passes the rest through.
     """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + x.roll(r // 2, dims=-1) * sin
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat([rot * cos + rot.roll(r // 2, dims=-1) * sin, rest], dim=-1)
 
 
 class KVCache:
@@ -92,7 +103,7 @@ class KVCache:
         return self.k[layer, :, :, :span][rows], self.v[layer, :, :, :span][rows]  # a gathered copy
 
 
-def decode_attention(q, k, v, mask):
+def decode_attention(q, k, v, mask, scale):
     """Attention of one query per row, (B, heads, 1, head_dim), over (B, kv_heads, S, head_dim).
 
     The same result as SDPA with `mask`; on CPU, torch's flash kernel spends ~0.3 ms per call
@@ -101,35 +112,44 @@ def decode_attention(q, k, v, mask):
     B, H, _, hd = q.shape
     kv_heads = k.shape[1]
     q = q.view(B, kv_heads, H // kv_heads, hd)  # query heads grouped by the kv head they share
-    scores = (q @ k.transpose(-1, -2)) * hd**-0.5  # (B, kv_heads, group, S)
+    scores = (q @ k.transpose(-1, -2)) * scale  # (B, kv_heads, group, S)
     scores = scores.masked_fill(~mask, float("-inf"))  # mask: (B, 1, 1, S)
     return (scores.softmax(-1) @ v).view(B, H, 1, hd)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale = args.head_dim**-0.5
+        self.window = args.window(layer)  # None: full attention
+        self.layer_type = args.layer_types[layer]
         d, hd = args.hidden_size, args.head_dim
         self.q_proj = nn.Linear(d, self.n_heads * hd, bias=args.attention_bias)
         self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=args.attention_bias)
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
 
+    def project(self, x):
+        """q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), before the rotation."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
     def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, span=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, heads, T, head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, kv_heads, T, head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, k, v, slots, span)  # (B, kv_heads, S, head_dim)
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
         elif T == 1 and x.device.type == "cpu":
-            out = decode_attention(q, k, v, mask)
+            out = decode_attention(q, k, v, mask, self.scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, heads*head_dim)
         return self.o_proj(out)
 
@@ -147,10 +167,12 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    attention, mlp_class = Attention, MLP  # a family swaps in its own
+
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.self_attn = self.attention(args, layer)
+        self.mlp = self.mlp_class(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -159,11 +181,12 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def build_mask(T: int, S: int, offsets, attn_mask, device):
+def build_mask(T: int, S: int, offsets, attn_mask, device, window: int | None = None):
     """Boolean (B, 1, T, S) mask, True where a query may attend a key.
 
     Query t of row b sits at key index offsets[b] + t (offsets: tokens already cached) and sees
-    keys up to itself. `attn_mask` (B, S), 1 for real tokens and 0 for padding, hides pad keys.
+    keys up to itself (with a sliding window, only the `window` keys ending at itself, as
+    transformers counts them: key index > query index - window). `attn_mask` (B, S), 1 for real tokens and 0 for padding, hides pad keys.
     Every query keeps its own key even if it is padding, so no row is fully masked (softmax
     over nothing is NaN, and a NaN in a pad row would poison gradients); pad rows' outputs are
     never used.
@@ -171,6 +194,8 @@ def build_mask(T: int, S: int, offsets, attn_mask, device):
     q_idx = offsets[:, None] + torch.arange(T, device=device)[None, :]  # (B, T)
     k_idx = torch.arange(S, device=device)  # (S,)
     allowed = k_idx[None, None, :] <= q_idx[:, :, None]  # (B, T, S)
+    if window is not None:
+        allowed = allowed & (k_idx[None, None, :] > q_idx[:, :, None] - window)
     if attn_mask is not None:
         allowed = allowed & attn_mask.bool()[:, None, :]
         allowed = allowed | (k_idx[None, None, :] == q_idx[:, :, None])
@@ -178,12 +203,19 @@ def build_mask(T: int, S: int, offsets, attn_mask, device):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, block=TransformerBlock):
+    block, norm_class = TransformerBlock, RMSNorm  # a family swaps in its own
+
+    def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(block(args) for _ in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(args)
+        self.layers = nn.ModuleList(self.block(args, i) for i in range(args.num_hidden_layers))
+        self.norm = self.norm_class(args.hidden_size, args.rms_norm_eps)
+        # One rotary per layer type (Gemma 3 rotates local and global layers differently);
+        # a plain dict, so nothing of it is a parameter.
+        self.rotary = {t: RotaryEmbedding(args, t) for t in sorted(set(args.layer_types))}
+
+    def embed(self, input_ids):
+        return self.embed_tokens(input_ids)  # (B, T, D)
 
     def forward(self, input_ids, positions=None, cache: KVCache | None = None, attn_mask=None):
         B, T = input_ids.shape
@@ -200,25 +232,31 @@ class LlamaModel(nn.Module):
         if attn_mask is not None:
             assert attn_mask.shape == (B, S), f"attn_mask must be (B, {S}) over cached + new tokens, got {tuple(attn_mask.shape)}"
         # A prefill from position 0 with no padding mask is plain causal attention (SDPA's
-        # is_causal is faster; right padding after a row's prompt is hidden by causality);
-        # anything else needs a mask.
-        mask = None
-        if attn_mask is not None or S != T:
-            mask = build_mask(T, S, offsets, attn_mask, device)
-        x = self.embed_tokens(input_ids)  # (B, T, D)
-        cos, sin = self.rotary_emb(positions, x.dtype)
+        # is_causal is faster; right padding after a row's prompt is hidden by causality),
+        # and so is a sliding window no shorter than the prefill; anything else needs a mask.
+        masks = {}
+        for layer in self.layers:
+            w = layer.self_attn.window
+            if w not in masks:
+                plain = attn_mask is None and S == T and (w is None or w >= T)
+                masks[w] = None if plain else build_mask(T, S, offsets, attn_mask, device, w)
+        x = self.embed(input_ids)  # (B, T, D)
+        rotations = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, slots, span)
+            cos, sin = rotations[layer.self_attn.layer_type]
+            x = layer(x, cos, sin, masks[layer.self_attn.window], cache, i, slots, span)
         if cache is not None:
             cache.lengths += T
         return self.norm(x)
 
 
 class Model(nn.Module):
+    decoder = LlamaModel  # a family's decoder stack
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args)
+        self.model = self.decoder(args)
         # Tied checkpoints have no head weight: logits() reuses the embedding.
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

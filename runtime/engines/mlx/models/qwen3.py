@@ -1,0 +1,32 @@
+"""Qwen3 in MLX, the same model as runtime/engines/torch/models/qwen3.py: the Llama decoder with
+a per-head RMSNorm on queries and keys before the rotation, no attention bias."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from runtime.engines.mlx.models import llama
+from runtime.models.args import ModelArgs
+
+
+class Attention(llama.Attention):
+    def __init__(self, args: ModelArgs, layer: int = 0):
+        super().__init__(args, layer)
+        self.q_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(args.head_dim, args.rms_norm_eps)
+
+    def project(self, x):
+        q, k, v = super().project(x)  # (B, heads, T, head_dim): the norm is over head_dim, per head
+        return self.q_norm(q), self.k_norm(k), v
+
+
+class TransformerBlock(llama.TransformerBlock):
+    attention = Attention
+
+
+class Qwen3Model(llama.LlamaModel):
+    block = TransformerBlock
+
+
+class Model(llama.Model):
+    decoder = Qwen3Model

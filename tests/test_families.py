@@ -1,0 +1,245 @@
+"""The model families of issue 14 (Qwen3, Qwen3 with a sliding window, Mistral with a sliding
+window, Phi-3 with partial rotary, Gemma 3 text, Qwen3-MoE) held to transformers on random
+small configs made with transformers' own config classes: logits of padded batches and
+through the KV cache with continuous batching, greedy generation against `generate`, on torch
+and MLX; adapters against PEFT; Qwen3-MoE's router choices.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.engines import OptimSpec, get_engine
+from runtime.engines.torch.models import load_model as torch_load
+from runtime.generation import generate
+from runtime.models.lora import LoraSpec, init_tensors, load_adapter, save_adapter
+from runtime.models.ref import resolve_model
+from runtime.models.tokenizer import Tokenizer
+from tests.hf_fixtures import FAMILIES, WINDOW, make_family
+
+peft = pytest.importorskip("peft")
+mx = pytest.importorskip("mlx.core")
+
+TOL = 1e-4
+NAMES = sorted(FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def family(tmp_path_factory, tiny_home):
+    """name -> (ModelDir, transformers model), each built once per session."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("SPILLPACK_HOME", str(tiny_home))
+                path, hf = make_family(name, tmp_path_factory.mktemp("families") / name)
+                built[name] = resolve_model(str(path)), hf
+        return built[name]
+
+    return get
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 990, size=n).tolist() for n in lengths]
+
+
+def hf_alone(hf, ids):
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([ids])).logits[0].numpy()  # (T, V)
+
+
+def decode_through_cache(decoder, prompts, split):
+    """Each row prefilled with its first `split[b]` tokens into a shared cache (rows of different
+    lengths), then fed one token at a time, every running row in one decode step; returns each
+    row's logits at every position from split[b] - 1 on."""
+    slots = list(range(len(prompts)))
+    first = decoder.prefill(slots, [p[:s] for p, s in zip(prompts, split)])
+    got = [[first[b]] for b in slots]
+    pos = list(split)
+    while True:
+        running = [b for b in slots if pos[b] < len(prompts[b])]
+        if not running:
+            return [np.stack(g) for g in got]
+        logits = decoder.decode(running, [prompts[b][pos[b]] for b in running])
+        for n, b in enumerate(running):
+            got[b].append(logits[n])
+            pos[b] += 1
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("name", NAMES)
+def test_torch_padded_batch_matches_transformers(family, name, side):
+    md, hf = family(name)
+    ours = torch_load(md)
+    seqs = prompts_of([20, 7, 13])
+    assert max(map(len, seqs)) > WINDOW  # a sliding layer really slides
+    T = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        sl = slice(T - len(s), T) if side == "left" else slice(0, len(s))
+        ids[b, sl], mask[b, sl] = torch.tensor(s), 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        got = ours(ids, positions=positions, attn_mask=mask).numpy()
+    for b, s in enumerate(seqs):
+        np.testing.assert_allclose(got[b][mask[b].bool().numpy()], hf_alone(hf, s), atol=TOL, rtol=0, err_msg=f"row {b}")
+
+
+@pytest.mark.parametrize("engine", ["torch-cpu", "mlx"])
+@pytest.mark.parametrize("name", NAMES)
+def test_kv_cache_and_continuous_batching_match_transformers(family, name, engine):
+    """Rows longer than the sliding window, decoded through the cache next to rows of other
+    lengths (the generator's path), on both engines; and MLX's right-padded full forward."""
+    md, hf = family(name)
+    model = get_engine(engine).load_model(md)
+    prompts = prompts_of([21, 6, 14], seed=1)
+    got = decode_through_cache(model.make_decoder(3, 32), prompts, split=[5, 3, 11])
+    for b, p in enumerate(prompts):
+        want = hf_alone(hf, p)[[5, 3, 11][b] - 1:]
+        np.testing.assert_allclose(got[b], want, atol=TOL, rtol=0, err_msg=f"row {b}")
+    if engine == "mlx":
+        T = max(map(len, prompts))
+        padded = np.array([p + [0] * (T - len(p)) for p in prompts])  # right padding: hidden by causality
+        full = np.array(model(mx.array(padded)))
+        for b, p in enumerate(prompts):
+            np.testing.assert_allclose(full[b, : len(p)], hf_alone(hf, p), atol=TOL, rtol=0, err_msg=f"row {b}")
+
+
+def hf_greedy(hf, prompts, max_new, pad_id):
+    T = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                          do_sample=False, pad_token_id=pad_id, eos_token_id=None)
+    return out[:, T:].tolist()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generation_matches_transformers_generate(family, name):
+    md, hf = family(name)
+    tok = Tokenizer.from_dir(md.path)
+    tok.eos_token_ids = frozenset()  # random weights: compare every token
+    prompts = prompts_of([3 + (7 * i) % 19 for i in range(16)], seed=2)
+    assert len(prompts) >= 16 and len(set(map(len, prompts))) >= 12
+    expected = hf_greedy(hf, prompts, 8, md.config["vocab_size"] - 3)
+    for engine in ("torch-cpu", "mlx"):
+        model = get_engine(engine).load_model(md)
+        got = generate(model, tok, prompts, max_tokens=8, batch=5)  # 5 slots, 16 rows: refills mid-run
+        assert [r.tokens for r in got] == expected, engine
+
+
+def lora_targets(md):
+    from runtime.models.arch import architecture
+
+    return tuple(sorted({k.split(".")[-1] for k in architecture(md.config).args.from_dict(md.config).lora_linears()}))
+
+
+def random_lora(config, spec, seed=3):
+    tensors = init_tensors(config, spec, seed)
+    rng = np.random.default_rng(seed)
+    return {k: (v if "lora_A" in k else rng.normal(0, 0.05, v.shape).astype(np.float32)) for k, v in tensors.items()}
+
+
+def train_batch(seed=0):
+    from runtime.data.train import Example, collate
+
+    rng = np.random.default_rng(seed)
+    examples = [Example(rng.integers(0, 990, size=n).tolist(), [0] * (n // 2) + [1] * (n - n // 2)) for n in (9, 14, 5)]
+    return collate(examples, pad_id=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_four_step_adapter_loads_in_peft_with_the_same_logits(family, name, tmp_path):
+    md, hf = family(name)
+    targets = lora_targets(md)
+    if name == "phi3":
+        assert targets == ("down_proj", "gate_up_proj", "o_proj", "qkv_proj")  # the fused names PEFT uses
+    spec = LoraSpec(rank=4, alpha=8.0, targets=targets)
+    session = get_engine("torch-cpu").train_session(md, spec, random_lora(md.config, spec), OptimSpec())
+    ids, labels = train_batch()
+    for _ in range(4):
+        session.forward_backward([(ids, labels)], int((labels != -100).sum()))
+        session.apply(1e-2)
+    save_adapter(tmp_path / "adapter", session.adapter(), spec, str(md.path), md.config["num_hidden_layers"])
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == list(targets)
+    ours = get_engine("torch-cpu").load_model(md, load_adapter(tmp_path / "adapter"))
+    with torch.no_grad():
+        got = ours(torch.from_numpy(ids))
+        pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+        want = pm(input_ids=torch.from_numpy(ids)).logits
+        with pm.disable_adapter():
+            plain = pm(input_ids=torch.from_numpy(ids)).logits
+    assert (got - want).abs().max().item() < TOL
+    assert (plain - want).abs().max().item() > 1e-3  # the adapter really changes the model
+    pm.unload()  # the session-shared HF model gets its plain linears back
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lora_gradients_match_peft(family, name):
+    md, hf = family(name)
+    spec = LoraSpec(rank=4, alpha=8.0, targets=lora_targets(md))
+    tensors = random_lora(md.config, spec)
+    ids, labels = train_batch(1)
+    n = int((labels != -100).sum())
+    session = get_engine("torch-cpu").train_session(md, spec, tensors, OptimSpec())
+    session.forward_backward([(ids, labels)], n)
+    ours = {k: session.params[k].grad.detach().clone() for k in session.names}
+
+    cfg = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets), lora_dropout=0.0)
+    pm = peft.get_peft_model(hf.train(), cfg)
+    try:
+        peft.set_peft_model_state_dict(pm, {f"base_model.model.{k}": torch.from_numpy(v) for k, v in tensors.items()})
+        logits = pm(input_ids=torch.from_numpy(ids)).logits
+        lab = torch.from_numpy(labels)
+        loss = torch.nn.functional.cross_entropy(logits[lab != -100], lab[lab != -100], reduction="sum") / n
+        loss.backward()
+        theirs = {k.replace("base_model.model.", "").replace(".default", ""): p.grad
+                  for k, p in pm.named_parameters() if p.requires_grad}
+    finally:
+        pm.unload()
+        hf.eval()
+    assert set(theirs) == set(ours)
+    for k in ours:
+        cos = torch.nn.functional.cosine_similarity(ours[k].flatten(), theirs[k].flatten(), dim=0).item()
+        assert cos >= 0.9999, (k, cos)
+
+
+def test_qwen3_moe_router_choices_match_transformers(family):
+    md, hf = family("qwen3_moe")
+    ids = torch.tensor(prompts_of([17, 17, 17], seed=4))
+    theirs = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out: theirs.append(out[2].sort(-1).values))
+             for layer in hf.model.layers]
+    try:
+        with torch.no_grad():
+            want = hf(input_ids=ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    ours = torch_load(md)
+    with torch.no_grad():
+        got = ours(ids)
+    mine = [layer.mlp.last_choices.sort(-1).values for layer in ours.model.layers]
+    assert len(mine) == len(theirs) == 2 and all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    assert len({tuple(r) for r in mine[0].tolist()}) > 1  # tokens really go to different experts
+    assert (got - want).abs().max().item() < TOL
+    mlx_model = get_engine("mlx").load_model(md)
+    np.testing.assert_allclose(np.array(mlx_model(mx.array(ids.numpy()))), want.numpy(), atol=TOL, rtol=0)
+    mlx_choices = [np.sort(np.array(layer.mlp._last_choices), -1) for layer in mlx_model.model.layers]
+    assert all(np.array_equal(a, b.numpy()) for a, b in zip(mlx_choices, theirs))
+
+
+def test_moe_expert_targets_are_refused_in_one_line(family):
+    md, _ = family("qwen3_moe")
+    from runtime.errors import SpillpackError
+
+    with pytest.raises(SpillpackError) as e:
+        init_tensors(md.config, LoraSpec(4, 8.0, ("q_proj", "gate_proj")), 0)
+    assert e.value.line() == ("spillpack: unknown LoRA target 'gate_proj' for qwen3_moe. "
+                              "Try: --targets with some of k_proj,o_proj,q_proj,v_proj")
