@@ -12,10 +12,10 @@ import sys
 import traceback
 
 from runtime import __version__
+from runtime.config.commands import COMMANDS, options_for
 from runtime.config.invocation import Invocation, resolve, write_config
-from runtime.errors import SpillpackError, UsageError
 from runtime.core.events import Events, headless_wanted
-from runtime.config.options import JOB_COMMANDS, options_for
+from runtime.errors import SpillpackError, UsageError
 
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {
@@ -45,8 +45,8 @@ def build_parser(extra: dict | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="spillpack", description="Pack an LLM job into one directory that runs anywhere and survives preemption.")
     parser.add_argument("--version", action="version", version=f"spillpack {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name, (help_, _) in JOB_COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+    for name, spec in COMMANDS.items():
+        p = sub.add_parser(name, help=spec.help, description=spec.help)
         for opt in options_for(name):
             _add_option(p, opt)
     for name, (module, help_) in {**OTHER_COMMANDS, **(extra or {})}.items():
@@ -72,13 +72,13 @@ def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) 
         ns = vars(parser.parse_args(argv))
         command = ns.pop("command")
         events.command = command
-        if command in JOB_COMMANDS:
+        if command in COMMANDS:
             return _run_job(command, ns, events, bundle)
         module = {**OTHER_COMMANDS, **(extra or {})}[command][0]
         return importlib.import_module(module).main(ns, events)
     except UsageError as e:
         if command and e.try_ == "spillpack --help":  # argparse reports a subcommand's errors at the top
-            known = [*JOB_COMMANDS, *OTHER_COMMANDS, *(extra or {})]
+            known = [*COMMANDS, *OTHER_COMMANDS, *(extra or {})]
             near = command if command in known else next(iter(difflib.get_close_matches(command, known, n=1)), None)
             e = UsageError(e.what, f"spillpack {near} --help" if near else "spillpack --help")
         return _fail(e, events, debug)
@@ -92,23 +92,17 @@ def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) 
         return _fail(err, events, debug)
 
 
-def invocation(command: str, ns: dict, headless: bool = False) -> Invocation:
+def invocation(command: str, ns: dict, headless: bool = False, bundle=None) -> Invocation:
     """The fully resolved job from parsed arguments (and --config): what runs, what is emitted, what is packed."""
     config_path = ns.pop("config", None)
     debug = ns.pop("debug", False)
     ns.pop("headless", None)
-    arguments, options = resolve(command, ns, config_path)
-    inv = Invocation(command, arguments, options, headless=headless, debug=debug, config_path=config_path)
-    job = importlib.import_module(f"runtime.jobs.{command}")
-    if hasattr(job, "finish_invocation"):
-        job.finish_invocation(inv)  # fills derived defaults (e.g. the job name) so the config is fully resolved
-    return inv
+    return resolve(command, ns, config_path, headless=headless, debug=debug, bundle=bundle)
 
 
 def _run_job(command: str, ns: dict, events: Events, bundle=None) -> int:
     emit_path = ns.pop("emit_config", None)
     inv = invocation(command, ns, events.headless)
-    job = importlib.import_module(f"runtime.jobs.{command}")
     if emit_path:
         write_config(inv, emit_path)
         events.say(f"wrote {emit_path}; run it with: spillpack {command} --config {emit_path}")
@@ -116,7 +110,7 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None) -> int:
     if bundle is not None:  # its files/... paths become absolute; readers check bundled bytes through it
         inv.bundle = bundle
         inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)
-    return job.main(inv, events)
+    return importlib.import_module(COMMANDS[command].module).main(inv, events).code
 
 
 def _fail(err: SpillpackError, events: Events, debug: bool) -> int:

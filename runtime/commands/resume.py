@@ -11,7 +11,8 @@ import importlib
 import orjson
 
 from runtime.bootstrap.bundle import Bundle
-from runtime.config.invocation import Invocation, check_config, read_config, resolve
+from runtime.config.commands import COMMANDS
+from runtime.config.invocation import check_config, read_config, resolve
 from runtime.errors import SpillpackError
 from runtime.state.store import local_file
 from runtime.state.store import open_store
@@ -48,13 +49,9 @@ def main(ns: dict, events) -> int:
     config, bundle = find_config(ns["target"], ns.get("state"))
     command = config["command"]
     given = {"state": ns["state"]} if ns.get("state") else {}
-    arguments, options = resolve(command, given, None, config=config)
-    inv = Invocation(command, arguments, options, headless=events.headless, debug=bool(ns.get("debug")), bundle=bundle)
+    inv = resolve(command, given, config=config, headless=events.headless, debug=bool(ns.get("debug")), bundle=bundle)
     events.command = command
-    job = importlib.import_module(f"runtime.jobs.{command}")
-    if hasattr(job, "finish_invocation"):
-        job.finish_invocation(inv)
     if bundle is not None:
         inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)
-    events.say(f"resuming {command} {options.get('name')} from {options.get('state') or 'its default state'}")
-    return job.main(inv, events)
+    events.say(f"resuming {command} {inv.options.get('name')} from {inv.options.get('state') or 'its default state'}")
+    return importlib.import_module(COMMANDS[command].module).main(inv, events).code

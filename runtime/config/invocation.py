@@ -6,11 +6,12 @@ config means the same job on every machine and every later version of spillpack.
 """
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.config.commands import COMMANDS, default_name, options_for
+from runtime.config.options import check_value
 from runtime.errors import SpillpackError, UsageError
-from runtime.config.options import JOB_COMMANDS, options_for
 from runtime.fileio import atomic_write
 
 CONFIG_VERSION = 1
@@ -26,8 +27,7 @@ class Invocation:
     headless: bool = False
     debug: bool = False
     config_path: str | None = None
-    extra: dict = field(default_factory=dict)
-    bundle: object = None  # the runtime.bootstrap.bundle.Bundle the job runs from, else None; never in a config
+    bundle: object = None  # the runtime.bootstrap Bundle this process runs from, if any
 
     def to_config(self) -> dict:
         return {
@@ -41,14 +41,6 @@ class Invocation:
         if name in self.arguments:
             return self.arguments[name]
         return self.options.get(name)
-
-
-def default_name(inv: "Invocation", uri_arg: str) -> None:
-    """Name a job after its command and its main input when --name is not given:
-    `tune-train` for train.jsonl, `build-data` for a folder."""
-    if not inv.options.get("name"):
-        last = str(inv.arguments[uri_arg]).rstrip("/").rsplit("/", 1)[-1]
-        inv.options["name"] = f"{inv.command}-{Path(last).stem or 'job'}"
 
 
 def read_config(path: str) -> dict:
@@ -74,11 +66,14 @@ def read_config(path: str) -> dict:
 
 def check_config(data, path: str) -> dict:
     """The checks of a config's shape, wherever it was read from (a file, a job's state)."""
-    if not isinstance(data, dict) or data.get("spillpack_config") != CONFIG_VERSION:
-        raise SpillpackError(f"{path} is not a spillpack config (no \"spillpack_config\": {CONFIG_VERSION})", f"spillpack <command> ... --emit-config {path}")
+    if not isinstance(data, dict) or "spillpack_config" not in data:
+        raise SpillpackError(f"{path} is not a spillpack config (no \"spillpack_config\" key)", f"spillpack <command> ... --emit-config {path}")
+    if data["spillpack_config"] != CONFIG_VERSION:
+        raise SpillpackError(f"{path} is a spillpack config of version {data['spillpack_config']!r}; this spillpack reads version {CONFIG_VERSION}",
+                             f"spillpack <command> ... --emit-config {path} with this spillpack")
     command = data.get("command")
-    if command not in JOB_COMMANDS:
-        raise SpillpackError(f"{path} names an unknown command {command!r}", f"one of: {', '.join(JOB_COMMANDS)}")
+    if command not in COMMANDS:
+        raise SpillpackError(f"{path} names an unknown command {command!r}", f"one of: {', '.join(COMMANDS)}")
     known = {o.name for o in options_for(command)}
     for section in ("arguments", "options"):
         values = data.get(section, {})
@@ -105,23 +100,41 @@ def write_config(inv: Invocation, path: str) -> None:
     atomic_write(p, text.encode())
 
 
-def resolve(command: str, given: dict, config_path: str | None, config: dict | None = None) -> tuple[dict, dict]:
-    """Defaults < config file (or an already read `config`) < command line. Returns (arguments, options)."""
+def resolve(command: str, given: dict, config_path: str | None = None, config: dict | None = None, *,
+            replay_per_run: bool = True, headless: bool = False, debug: bool = False, bundle=None) -> Invocation:
+    """The one path from values to a job: defaults < config file (or an already read `config`)
+    < `given` (the command line). Every value is checked by its option's rule, derived defaults
+    are filled in, and rules across options are checked, so what comes out is a valid, fully
+    resolved job. `replay_per_run=False` leaves out a saved config's per-run options
+    (--stop-after, --engine, ...): `resume` continues the job, not that process."""
+    spec = COMMANDS[command]
     from_file: dict = {}
+    if config_path:
+        config = read_config(config_path)
+        if config["command"] != command:
+            raise UsageError(f"{config_path} is a {config['command']} config, not {command}", f"spillpack {config['command']} --config {config_path}")
     if config is not None:
         from_file = {**config.get("arguments", {}), **config.get("options", {})}
-    if config_path:
-        data = read_config(config_path)
-        if data["command"] != command:
-            raise UsageError(f"{config_path} is a {data['command']} config, not {command}", f"spillpack {data['command']} --config {config_path}")
-        from_file = {**data.get("arguments", {}), **data.get("options", {})}
-    arguments, options = {}, {}
+    values, positional = {}, []
     for opt in options_for(command):
         if not opt.in_config:
             continue
-        value = given.get(opt.name, from_file.get(opt.name, opt.default))
-        (arguments if opt.positional else options)[opt.name] = value
-    missing = [o.name.upper() for o in options_for(command) if o.positional and arguments.get(o.name) in (None, "")]
+        if opt.name in given:
+            value = given[opt.name]
+        elif opt.name in from_file and (replay_per_run or not opt.per_run):
+            value = from_file[opt.name]
+        else:
+            value = opt.default
+        values[opt.name] = check_value(command, opt, value)
+        if opt.positional:
+            positional.append(opt.name)
+    missing = [n.upper() for n in positional if values.get(n) in (None, "")]
     if missing:
         raise UsageError(f"{command} needs {' and '.join(missing)}", f"spillpack {command} --help")
-    return arguments, options
+    if not values.get("name"):
+        values["name"] = default_name(command, values[spec.main_input])
+    spec.derive(values)
+    spec.check(values)
+    arguments = {k: v for k, v in values.items() if k in positional}
+    options = {k: v for k, v in values.items() if k not in positional}
+    return Invocation(command, arguments, options, headless=headless, debug=debug, config_path=config_path, bundle=bundle)

@@ -1,37 +1,52 @@
-"""The options of every command, as data.
+"""The options of every job command, as data, with the rules their values obey.
 
-One table drives the argument parser, `--emit-config` (every default written out)
-and `--config` (options given next to it win), so the three cannot drift apart.
+One table drives the argument parser, `--emit-config` (every default written out),
+`--config` (options given next to it win) and validation: a value is checked by the same
+rule whether it came from the command line, a config file or a job's saved invocation.
 """
 
+from __future__ import annotations
+
+import math
+import re
 from dataclasses import dataclass
+
+from runtime.core.notices import MODES as NOTICE_MODES
+from runtime.engines.hardware import ENGINE_NAMES
+from runtime.errors import SpillpackError
+from runtime.jobs.metrics import METRICS
+
+ENGINES = ("auto", *ENGINE_NAMES)
+# A job name is one path component (it names SPILLPACK_HOME/jobs/NAME) from a safe alphabet.
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
 @dataclass(frozen=True)
 class Opt:
     name: str  # python name; the flag is --name-with-dashes
     default: object = None
-    type: object = str
+    type: object = str  # str, int, float, or a converter from text (its __name__ says what it takes)
     help: str = ""
     choices: tuple | None = None
     positional: bool = False
     flag: bool = False  # store_true
     in_config: bool = True  # presentation options (--debug, --headless) are not part of a job
+    per_run: bool = False  # how this process runs, not what the job is: `resume` does not replay it
     metavar: str | None = None
+    min: float | None = None  # inclusive bounds
+    max: float | None = None
+    above: float | None = None  # exclusive bounds
+    below: float | None = None
 
     @property
     def flag_name(self) -> str:
         return "--" + self.name.replace("_", "-")
 
-
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
-
-
-_nonneg_int.__name__ = "non-negative integer"
+    def example(self) -> str:
+        """A valid value to suggest in an error line."""
+        if self.default is not None and not self.flag:
+            return str(self.default)
+        return {"stop_after": "10", "steps": "100", "epochs": "1", "alpha": "32"}.get(self.name, "...")
 
 
 def _stop_after(text: str) -> int | str:
@@ -41,19 +56,80 @@ def _stop_after(text: str) -> int | str:
 
 _stop_after.__name__ = "N or STAGE[:N]"
 
-ENGINES = ("auto", "mlx", "torch-cuda", "torch-cpu")
 
-# Options every job command takes (ARCHITECTURE.md, Commands).
+def _bad(command: str, opt: Opt, what: str) -> SpillpackError:
+    return SpillpackError(f"{opt.flag_name} {what}", f"spillpack {command} ... {opt.flag_name} {opt.example()}")
+
+
+def check_value(command: str, opt: Opt, value):
+    """The value if it obeys the option's rule; otherwise one line naming the rule. Values from a
+    config file arrive as JSON/TOML types, so the type is checked too (true is not a step count)."""
+    if value is None:
+        if opt.positional:
+            return value  # reported as missing by resolve
+        if opt.default is None:
+            return None
+        raise _bad(command, opt, f"needs a value (default {opt.default})")
+    if opt.flag:
+        if not isinstance(value, bool):
+            raise _bad(command, opt, f"is true or false, not {value!r}")
+        return value
+    if opt.type is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(command, opt, f"takes a whole number, not {value!r}")
+    elif opt.type is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(command, opt, f"takes a number, not {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise _bad(command, opt, f"must be a finite number, not {value}")
+    elif opt.type is _stop_after:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise _bad(command, opt, f"takes N or STAGE[:N], not {value!r}")
+        if isinstance(value, int) and value < 0:
+            raise _bad(command, opt, f"must be 0 or more, not {value}")
+    elif not isinstance(value, str):
+        raise _bad(command, opt, f"takes text, not {value!r}")
+    if opt.choices is not None and value not in opt.choices:
+        raise _bad(command, opt, f"is one of {', '.join(map(str, opt.choices))}, not {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if opt.min is not None and value < opt.min:
+            rule = {0: "must be 0 or more", 1: "must be positive"}.get(opt.min, f"must be at least {_num(opt.min)}")
+            raise _bad(command, opt, f"{rule}, not {_num(value)}")
+        if opt.above is not None and value <= opt.above:
+            rule = "must be positive" if opt.above == 0 else f"must be more than {_num(opt.above)}"
+            raise _bad(command, opt, f"{rule}, not {_num(value)}")
+        if opt.max is not None and value > opt.max:
+            raise _bad(command, opt, f"must be at most {_num(opt.max)}, not {_num(value)}")
+        if opt.below is not None and value >= opt.below:
+            raise _bad(command, opt, f"must be less than {_num(opt.below)}, not {_num(value)}")
+    if opt.name == "name" and not NAME_RE.match(value):
+        raise SpillpackError(f"--name {value!r} is not a job name: letters, digits, '.', '_' and '-', starting with a letter or digit, "
+                             f"at most 100 characters", f"spillpack {command} ... --name {safe_name(value)}")
+    return value
+
+
+def safe_name(text: str) -> str:
+    """The nearest valid job name to `text` (used for names derived from file names)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", str(text)).strip("-.")[:100]
+    return name if name and NAME_RE.match(name) else "job"
+
+
+def _num(x) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+# Options every job command takes (docs/commands.md).
 SHARED = (
     Opt("config", None, help="load the job from a config file written by --emit-config", in_config=False, metavar="FILE"),
     Opt("emit_config", None, help="write the fully resolved job to FILE (.json or .toml) and exit", in_config=False, metavar="FILE"),
     Opt("name", None, help="the job's name (default: derived from the command and its data)"),
     Opt("state", None, help="where the job keeps its state: a path, file:// or s3:// URI (default: SPILLPACK_HOME/jobs/NAME)", metavar="URI"),
     Opt("weights", None, help="where the model's weights are: a path, file:// or s3:// URI", metavar="URI"),
-    Opt("engine", "auto", choices=ENGINES, help="mlx, torch-cuda or torch-cpu (default: chosen for this machine)"),
-    Opt("preemption_notice", "auto", choices=("auto", "aws", "gcp", "off"),
+    Opt("engine", "auto", choices=ENGINES, per_run=True, help="mlx, torch-cuda or torch-cpu (default: chosen for this machine)"),
+    Opt("preemption_notice", "auto", choices=NOTICE_MODES, per_run=True,
         help="also stop (checkpoint, exit 75) on a cloud's spot notice in the instance metadata; auto finds AWS or GCP, if any"),
-    Opt("stop_after", None, _stop_after, help="stop cleanly (exit 0) after N steps or rows", metavar="N"),
+    Opt("stop_after", None, _stop_after, per_run=True, help="stop cleanly (exit 0) after N steps or rows", metavar="N"),
     Opt("headless", False, flag=True, in_config=False, help="JSON-line events on stdout (automatic when stdout is not a terminal)"),
     Opt("debug", False, flag=True, in_config=False, help="show tracebacks"),
 )
@@ -61,21 +137,21 @@ SHARED = (
 TUNE = (
     Opt("model", positional=True, help="a model directory, a tag such as qwen2.5:0.5b, or tiny"),
     Opt("data", positional=True, help="training data: JSONL of {messages} or {prompt, completion} rows"),
-    Opt("steps", None, _nonneg_int, help="optimizer steps (default: one epoch)"),
-    Opt("epochs", None, float, help="epochs, when --steps is not given"),
-    Opt("rank", 16, int, help="LoRA rank"),
-    Opt("alpha", None, float, help="LoRA alpha (default: 2 x rank)"),
+    Opt("steps", None, int, help="optimizer steps (default: one epoch)", min=1),
+    Opt("epochs", None, float, help="epochs, when --steps is not given", above=0),
+    Opt("rank", 16, int, help="LoRA rank", min=1),
+    Opt("alpha", None, float, help="LoRA alpha (default: 2 x rank)", above=0),
     Opt("targets", "q_proj,k_proj,v_proj,o_proj", help="comma-separated linear layers to adapt"),
-    Opt("dropout", 0.0, float, help="LoRA dropout"),
-    Opt("lr", 1e-4, float, help="peak learning rate"),
+    Opt("dropout", 0.0, float, help="LoRA dropout", min=0, below=1),
+    Opt("lr", 1e-4, float, help="peak learning rate", above=0),
     Opt("schedule", "cosine", choices=("cosine", "constant"), help="learning-rate schedule after warmup"),
-    Opt("warmup", 0, _nonneg_int, help="warmup steps"),
-    Opt("weight_decay", 0.0, float, help="AdamW weight decay"),
-    Opt("batch", 4, int, help="sequences per micro-batch"),
-    Opt("grad_accum", 1, int, help="micro-batches per optimizer step"),
-    Opt("max_seq", 2048, int, help="longest sequence; longer ones are dropped and counted"),
-    Opt("seed", 0, int, help="seed for LoRA init and batch order"),
-    Opt("ckpt_every", 50, int, help="commit a checkpoint every N steps"),
+    Opt("warmup", 0, int, help="warmup steps", min=0),
+    Opt("weight_decay", 0.0, float, help="AdamW weight decay", min=0),
+    Opt("batch", 4, int, help="sequences per micro-batch", min=1),
+    Opt("grad_accum", 1, int, help="micro-batches per optimizer step", min=1),
+    Opt("max_seq", 2048, int, help="longest sequence; longer ones are dropped and counted", min=2),
+    Opt("seed", 0, int, help="seed for LoRA init and batch order", min=0),
+    Opt("ckpt_every", 50, int, help="commit a checkpoint every N steps", min=1),
     Opt("out", None, help="also write the adapter here", metavar="DIR"),
     Opt("merge", False, flag=True, help="also write merged full weights as a Hugging Face model directory"),
 )
@@ -83,13 +159,13 @@ TUNE = (
 _ROW_COMMON = (
     Opt("adapter", None, help="a LoRA adapter directory or URI to apply", metavar="URI"),
     Opt("out", None, help="also write the results file here", metavar="FILE"),
-    Opt("max_tokens", 256, int, help="default max new tokens per row"),
-    Opt("temperature", 0.0, float, help="default sampling temperature (0 = greedy)"),
-    Opt("top_p", 1.0, float, help="default nucleus sampling threshold"),
-    Opt("seed", 0, int, help="sampling seed"),
-    Opt("batch", 8, int, help="rows generated at once"),
-    Opt("commit_rows", 32, int, help="commit finished rows at least every N rows"),
-    Opt("commit_seconds", 30.0, float, help="... and at least every T seconds"),
+    Opt("max_tokens", 256, int, help="default max new tokens per row", min=1),
+    Opt("temperature", 0.0, float, help="default sampling temperature (0 = greedy)", min=0, max=2),
+    Opt("top_p", 1.0, float, help="default nucleus sampling threshold", above=0, max=1),
+    Opt("seed", 0, int, help="sampling seed", min=0),
+    Opt("batch", 8, int, help="rows generated at once", min=1),
+    Opt("commit_rows", 32, int, help="commit finished rows at least every N rows", min=1),
+    Opt("commit_seconds", 30.0, float, help="... and at least every T seconds", above=0),
 )
 
 RUN = (
@@ -100,7 +176,7 @@ RUN = (
 EVAL = (
     Opt("model", positional=True, help="a model directory, a tag, or tiny"),
     Opt("evals", positional=True, help="JSONL rows with the expected answer"),
-    Opt("metric", "exact_match", choices=("exact_match", "contains", "regex", "json_field"), help="how an answer is scored"),
+    Opt("metric", "exact_match", choices=METRICS, help="how an answer is scored"),
     Opt("field", None, help="the JSON field compared by --metric json_field"),
 ) + _ROW_COMMON
 
@@ -114,27 +190,15 @@ BUILD = (
     Opt("student", "tiny", help="the model that is evaluated and tuned"),
     Opt("teacher", None, help="the teacher that answers prompts.jsonl (distill runs only with a teacher or --teacher-adapter)"),
     Opt("teacher_adapter", None, help="a LoRA adapter the teacher answers with", metavar="URI"),
-    Opt("metric", "exact_match", choices=("exact_match", "contains", "regex", "json_field"), help="how eval answers are scored"),
+    Opt("metric", "exact_match", choices=METRICS, help="how eval answers are scored"),
     Opt("field", None, help="the JSON field compared by --metric json_field"),
-    Opt("max_tokens", 256, int, help="default max new tokens for eval and distill rows"),
-    Opt("batch", 8, int, help="rows generated at once"),
-    Opt("steps", None, _nonneg_int, help="tune steps (default: --epochs)"),
-    Opt("epochs", 8.0, float, help="tune epochs, when --steps is not given"),
-    Opt("rank", 16, int, help="LoRA rank"),
-    Opt("lr", 2e-3, float, help="peak learning rate"),
-    Opt("warmup", 20, _nonneg_int, help="warmup steps"),
+    Opt("max_tokens", 256, int, help="default max new tokens for eval and distill rows", min=1),
+    Opt("batch", 8, int, help="rows generated at once", min=1),
+    Opt("steps", None, int, help="tune steps (default: --epochs)", min=1),
+    Opt("epochs", 8.0, float, help="tune epochs, when --steps is not given", above=0),
+    Opt("rank", 16, int, help="LoRA rank", min=1),
+    Opt("lr", 2e-3, float, help="peak learning rate", above=0),
+    Opt("warmup", 20, int, help="warmup steps", min=0),
     Opt("targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", help="comma-separated linear layers to adapt"),
-    Opt("seed", 0, int, help="seed"),
+    Opt("seed", 0, int, help="seed", min=0),
 )
-
-JOB_COMMANDS = {
-    "tune": ("LoRA fine-tune a model on chat data; survives preemption", TUNE),
-    "run": ("batch inference over OpenAI batch JSONL; every row done once", RUN),
-    "eval": ("score a model on rows with expected answers", EVAL),
-    "distill": ("a teacher answers prompts; the output is training data for tune", DISTILL),
-    "build": ("a folder: eval, distill, tune, eval, with a table of scores", BUILD),
-}
-
-
-def options_for(command: str) -> tuple[Opt, ...]:
-    return JOB_COMMANDS[command][1] + SHARED

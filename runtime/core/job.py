@@ -1,21 +1,67 @@
 """The one job core: what every job command does around its own work.
 
-Choose the engine, open the state (refusing another job's), install the preemption
-handler, and turn the outcome into events and an exit code: `done` (0), `preempted`
-after a committed checkpoint (75), or an error line (1). Jobs supply only their work.
+A job is opened as a context manager: choose the engine, open the state (refusing another
+job's), install the preemption handler and the spot-notice watcher; leaving the block
+always uninstalls them. Its work runs in one quantum loop, the product's core promise:
+
+    stop requested?  -> commit what is done, exit 75
+    run a quantum    -> abandonable: a stop that cannot wait throws it away
+    settle it        -> never interrupted (the optimizer update, recording finished rows)
+    commit on cadence
+
+Jobs return an `Outcome` (exit code, completeness, summary): the CLI turns it into an exit
+code, `build` reads its stages' scores from it.
 """
+
+from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from runtime.errors import EXIT_OK, EXIT_PREEMPTED
 from runtime.core.events import Events
-from runtime.engines.hardware import choose_engine
 from runtime.core.notices import NoticeWatcher, start_watcher
+from runtime.core.signals import Abandon, Preemption
+from runtime.engines.hardware import choose_engine
+from runtime.errors import EXIT_OK, EXIT_PREEMPTED
 from runtime.paths import spillpack_home
-from runtime.core.signals import Preemption
 from runtime.state.jobstate import JobState
 from runtime.state.store import open_store
+
+RECENT_QUANTA = 10  # how many recent quanta judge whether the one in flight fits the promise
+
+
+@dataclass
+class Outcome:
+    code: int
+    complete: bool = False
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def preempted(self) -> bool:
+        return self.code == EXIT_PREEMPTED
+
+
+class Work(Protocol):
+    """A job's work, cut into quanta (a tune step, a generation step)."""
+
+    done: int  # steps or rows done so far
+
+    def remaining(self) -> bool: ...
+
+    def quantum(self) -> None:
+        """The abandonable part: may be interrupted by Abandon at any point."""
+
+    def discard(self) -> None:
+        """Throw away what an abandoned quantum left half done."""
+
+    def settle(self) -> None:
+        """Finish a quantum that ran to the end; never interrupted."""
+
+    def commit_due(self) -> bool: ...
+
+    def commit(self) -> None:
+        """Commit everything settled and not yet committed (nothing new: nothing written)."""
 
 
 def default_state_uri(name: str) -> str:
@@ -40,20 +86,62 @@ class Job:
     PROGRESS_EVERY_S = 1.0
 
     @classmethod
-    def open(cls, command: str, name: str, options: dict, identity: dict, events: Events,
-             invocation: dict | None = None) -> "Job":
-        """`invocation`: the resolved config (Invocation.to_config()), kept in the state so
-        `spillpack resume` can run the job again from its state alone."""
-        engine_name, reason = choose_engine(options.get("engine"))
+    def open(cls, inv, identity: dict, events: Events) -> "Job":
+        """Open the job that `inv` (a resolved Invocation) describes. The resolved config is kept
+        in the state so `spillpack resume STATE` can run the job again from its state alone."""
+        o = inv.options
+        engine_name, reason = choose_engine(o.get("engine"))
         events.engine = engine_name
-        uri = options.get("state") or default_state_uri(name)
+        uri = o.get("state") or default_state_uri(o["name"])
         state = JobState(open_store(uri), identity, engine=engine_name)
         state.open()
-        if invocation is not None:
-            state.save_invocation({**invocation, "options": {**invocation["options"], "state": uri}})
+        config = inv.to_config()
+        state.save_invocation({**config, "options": {**config["options"], "state": uri}})
         preemption = Preemption().install()
-        notices = start_watcher(options.get("preemption_notice"), preemption)
-        return cls(command, name, events, engine_name, reason, state, preemption, notices)
+        notices = start_watcher(o.get("preemption_notice"), preemption)
+        return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices)
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def close(self) -> None:
+        self.notices.stop()
+        self.preemption.uninstall()
+
+    # -- the quantum loop ------------------------------------------------------------------
+
+    def run(self, work: Work, stop_after: int | None = None) -> Outcome | None:
+        """Run `work` until it is finished, stopped by --stop-after (None: the caller reports
+        done) or preempted (the Outcome to return, after its commit)."""
+        recent: list[float] = []
+        while work.remaining():
+            if self.preemption.stop_requested:
+                work.commit()
+                return self.preempted(work.done, abandoned_quantum=False)
+            if stop_after is not None and work.done >= stop_after:
+                break
+            t0 = time.monotonic()
+            try:
+                with self.preemption.abandonable():
+                    work.quantum()
+            except Abandon:
+                work.discard()
+                work.commit()
+                return self.preempted(work.done, abandoned_quantum=True)
+            work.settle()
+            recent = (recent + [time.monotonic() - t0])[-RECENT_QUANTA:]
+            self.preemption.expected_step_s = max(recent)
+            self.progress(work.done)
+            if work.commit_due():
+                work.commit()
+        work.commit()
+        return None
+
+    # -- what the job reports ----------------------------------------------------------------
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -72,20 +160,16 @@ class Job:
     def checkpointed(self, step: int, uri: str, seconds: float, **fields) -> None:
         self.events.emit("checkpoint", step=step, uri=uri, seconds=round(seconds, 3), **fields)
 
-    def preempted(self, step: int, abandoned_quantum: bool) -> int:
+    def preempted(self, step: int, abandoned_quantum: bool, emit: bool = True) -> Outcome:
+        """`emit=False` when the event was already emitted by the stage that stopped (a build)."""
         sig = self.preemption.signal_name or "SIGTERM"
         self.state.log("interrupted", signal=sig, step=step, abandoned_quantum=abandoned_quantum)
-        self.events.emit("preempted", step=step, signal=sig, abandoned_quantum=abandoned_quantum)
-        self.close()
-        return EXIT_PREEMPTED
+        if emit:
+            self.events.emit("preempted", step=step, signal=sig, abandoned_quantum=abandoned_quantum)
+        return Outcome(EXIT_PREEMPTED)
 
-    def done(self, step: int, complete: bool, **summary) -> int:
+    def done(self, step: int, complete: bool, **summary) -> Outcome:
         self.state.log("done" if complete else "stopped", step=step)
         self.events.emit("done", step=step, complete=complete, stopped_early=not complete,
                          seconds=round(self.elapsed(), 3), **summary)
-        self.close()
-        return EXIT_OK
-
-    def close(self) -> None:
-        self.notices.stop()
-        self.preemption.uninstall()
+        return Outcome(EXIT_OK, complete, summary)

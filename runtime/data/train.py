@@ -4,7 +4,6 @@ The order is a pure function of (seed, epoch, step) over the tokenized examples,
 job resumed on another machine or engine sees exactly the batches it would have seen.
 """
 
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -12,22 +11,26 @@ import numpy as np
 import orjson
 
 from runtime.errors import SpillpackError
+from runtime.fileio import sha256_bytes
 from runtime.state.store import local_file, open_store
 
 
-def read_bytes(uri: str, what: str = "data", bundle=None) -> bytes:
-    """The whole file behind a path, file:// or s3:// URI; checked against `bundle`'s manifest
-    (a runtime.bootstrap.bundle.Bundle, when the job runs from one) when the file is inside it."""
+def read_bytes(uri: str, what: str = "data", bundle=None, missing_ok: bool = False) -> bytes | None:
+    """The whole file behind a path, file:// or s3:// URI; a bundled file is checked against the
+    bundle's manifest. `missing_ok`: None for a file that does not exist (any other failure is
+    still an error: a damaged file is never taken for an absent one)."""
     path = local_file(uri)
     if path is None:
         parent, _, name = uri.rstrip("/").rpartition("/")
         data = open_store(parent).read(name)
-        if data is None:
+        if data is None and not missing_ok:
             raise SpillpackError(f"{what} {uri} does not exist", f"aws s3 ls {parent}/")
         return data
     try:
         data = path.read_bytes()
     except FileNotFoundError:
+        if missing_ok:
+            return None
         raise SpillpackError(f"{what} file {uri} does not exist", f"ls {path.parent}")
     except IsADirectoryError:
         raise SpillpackError(f"{what} {uri} is a directory, not a JSONL file", f"ls {path}")
@@ -52,10 +55,6 @@ def iter_jsonl(raw: bytes, uri: str):
         if not isinstance(obj, dict):
             raise SpillpackError(f"{uri} line {n} is not a JSON object", f"sed -n {n}p {uri}")
         yield n, obj
-
-
-def sha256(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()
 
 
 # -- training examples --------------------------------------------------------------
@@ -88,14 +87,12 @@ class TrainData:
     examples: list[Example]
     dropped_long: int
     sha256: str
-    lines: int
 
 
 def load_train_data(uri: str, tokenizer, max_seq: int, bundle=None) -> TrainData:
     raw = read_bytes(uri, "training data", bundle)
-    examples, dropped, lines = [], 0, 0
+    examples, dropped = [], 0
     for n, obj in iter_jsonl(raw, uri):
-        lines += 1
         ids, mask = tokenizer.encode_chat(chat_messages(obj, n, uri))
         if len(ids) > max_seq:
             dropped += 1
@@ -105,7 +102,7 @@ def load_train_data(uri: str, tokenizer, max_seq: int, bundle=None) -> TrainData
         examples.append(Example(ids, mask))
     if not examples:
         raise SpillpackError(f"every example in {uri} is longer than --max-seq {max_seq} ({dropped} dropped)", f"--max-seq {max_seq * 2}")
-    return TrainData(examples, dropped, sha256(raw), lines)
+    return TrainData(examples, dropped, sha256_bytes(raw))
 
 
 # -- batch order ----------------------------------------------------------------------

@@ -10,22 +10,18 @@ a rerun skips marked stages and continues the interrupted one at its row or step
 
 import importlib
 
-import orjson
-
-from runtime.config.invocation import Invocation, default_name, resolve
-from runtime.data.train import read_bytes, sha256
+from runtime.config.commands import BUILD_STAGES as STAGES
+from runtime.config.commands import COMMANDS, stop_point
+from runtime.config.invocation import resolve
+from runtime.core.job import Job, Outcome
+from runtime.data.train import read_bytes
 from runtime.errors import EXIT_OK, SpillpackError
-from runtime.core.job import Job
+from runtime.fileio import sha256_bytes
 from runtime.state.store import local_file
 from runtime.jobs.rowjob import RESULTS
 
-STAGES = ("eval-base", "distill", "tune", "eval-tuned")
 STAGE_MARKER = "stage"
 TUNE_DATA = "data/tune.jsonl"
-
-
-def finish_invocation(inv) -> None:
-    default_name(inv, "folder")
 
 
 class StageEvents:
@@ -48,16 +44,6 @@ class StageEvents:
         self.parent.say(f"[{self.stage}] {text}")
 
 
-def _stop_point(value) -> tuple[str | None, int | None]:
-    if value is None:
-        return None, None
-    stage, _, n = str(value).partition(":")
-    if stage not in STAGES or (n and not n.isdigit()):
-        raise SpillpackError(f"--stop-after for build takes STAGE or STAGE:N with STAGE one of {', '.join(STAGES)}, not {value!r}",
-                             "spillpack build FOLDER --stop-after tune:10")
-    return stage, int(n) if n else None
-
-
 def _folder_files(folder: str, bundle=None) -> dict[str, bytes]:
     base = str(folder).rstrip("/")
     path = local_file(base)
@@ -65,21 +51,21 @@ def _folder_files(folder: str, bundle=None) -> dict[str, bytes]:
         raise SpillpackError(f"build folder {folder} does not exist or is not a directory", f"ls {folder}")
     files = {}
     for name in ("evals.jsonl", "train.jsonl", "prompts.jsonl"):
-        try:
-            files[name] = read_bytes(f"{base}/{name}", name, bundle)
-        except SpillpackError:
-            if name == "evals.jsonl":
-                raise SpillpackError(f"build folder {folder} has no evals.jsonl (rows with \"expected\" answers to score the student)",
-                                     f"ls {folder}; see examples/data/evals.jsonl")
+        data = read_bytes(f"{base}/{name}", name, bundle, missing_ok=True)  # absent is fine; damaged is an error
+        if data is not None:
+            files[name] = data
+        elif name == "evals.jsonl":
+            raise SpillpackError(f"build folder {folder} has no evals.jsonl (rows with \"expected\" answers to score the student)",
+                                 f"ls {folder}; see examples/data/evals.jsonl")
     if "train.jsonl" not in files and "prompts.jsonl" not in files:
         raise SpillpackError(f"build folder {folder} has neither train.jsonl nor prompts.jsonl: nothing to tune on",
                              f"add train.jsonl (chat rows) or prompts.jsonl (for the teacher) to {folder}")
     return files
 
 
-def main(inv, events) -> int:
+def main(inv, events) -> Outcome:
     a, o = inv.arguments, inv.options
-    stop_stage, stop_n = _stop_point(o.get("stop_after"))
+    stop_stage, stop_n = stop_point(o.get("stop_after"))
     folder = str(a["folder"]).rstrip("/")
     files = _folder_files(folder, inv.bundle)
     # Distilling the student into itself teaches it nothing: prompts.jsonl needs a teacher.
@@ -90,18 +76,14 @@ def main(inv, events) -> int:
     stages = [s for s in STAGES if s != "distill" or ("prompts.jsonl" in files and has_teacher)]
     if stop_stage is not None and stop_stage not in stages:
         raise SpillpackError(f"this build has no {stop_stage} stage (distill needs prompts.jsonl and a --teacher)", f"--stop-after {stages[-1]}")
-    identity = {"command": "build", **{f"{k}_sha256": sha256(v) for k, v in sorted(files.items())},
+    identity = {"command": "build", **{f"{k}_sha256": sha256_bytes(v) for k, v in sorted(files.items())},
                 **{k: o[k] for k in ("student", "teacher", "teacher_adapter", "metric", "field", "max_tokens", "steps", "epochs",
                                      "rank", "lr", "warmup", "targets", "seed")}}
-    job = Job.open("build", o["name"], o, identity, events, invocation=inv.to_config())
-    try:
+    with Job.open(inv, identity, events) as job:
         return _run(job, inv, events, files, stages, stop_stage, stop_n)
-    except BaseException:
-        job.close()
-        raise
 
 
-def _run(job: Job, inv, events, files, stages, stop_stage, stop_n) -> int:
+def _run(job: Job, inv, events, files, stages, stop_stage, stop_n) -> Outcome:
     a, o = inv.arguments, inv.options
     folder = str(a["folder"]).rstrip("/")
     store = job.state.store
@@ -137,19 +119,16 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n) -> int:
         command, given = plans[stage]
         given = {**given, "state": store.child_uri(f"stages/{stage}"), "name": f"{o['name']}-{stage}",
                  "stop_after": stop_n if stage == stop_stage else None}
-        arguments, options = resolve(command, {k: v for k, v in given.items()}, None)
-        sub = Invocation(command, arguments, options, headless=events.headless, debug=inv.debug)
-        module = importlib.import_module(f"runtime.jobs.{command}")
-        module.finish_invocation(sub)
+        sub = resolve(command, given, headless=events.headless, debug=inv.debug, bundle=inv.bundle)
         # The stage's job installs its own handler over the build's while it runs.
-        code = module.main(sub, StageEvents(events, stage))
-        if code == 75:
-            return job.preempted(len(scores), abandoned_quantum=False)
-        if code != EXIT_OK:
-            return code
-        score = _score(stage, store)
-        if score is None:  # stopped early by STAGE:N
+        outcome = importlib.import_module(COMMANDS[command].module).main(sub, StageEvents(events, stage))
+        if outcome.preempted:  # the stage emitted `preempted` and committed; the build only records it
+            return job.preempted(len(scores), abandoned_quantum=False, emit=False)
+        if outcome.code != EXIT_OK:
+            return outcome
+        if not outcome.complete:  # stopped early by STAGE:N
             return job.done(len(scores), False, stages=scores, stopped_in=stage)
+        score = _score(stage, outcome.summary)
         job.state.commit_marker(STAGE_MARKER, {"stage": stage, "score": score})
         scores[stage] = score
         events.emit("stage", stage=stage, status="scored", score=score)
@@ -174,21 +153,13 @@ def _tune_data(files: dict, store) -> bytes:
     return data
 
 
-def _score(stage: str, store) -> dict | None:
-    sub = f"stages/{stage}/"
-    if stage.startswith("eval") or stage == "distill":
-        if store.read(sub + RESULTS) is None:
-            return None
-        if stage == "distill":
-            examples = store.read(sub + RESULTS).count(b"\n")
-            return {"examples": examples}
-        s = orjson.loads(store.read(sub + "eval.json"))
-        return {"accuracy": s["accuracy"], "ci95": s["ci95"], "rows": s["rows"]}
-    log = store.read(sub + "adapter/train_log.jsonl")
-    if log is None:
-        return None
-    losses = [orjson.loads(line)["loss"] for line in log.splitlines() if line.strip()]
-    return {"steps": len(losses), "first_loss": round(losses[0], 6), "final_loss": round(losses[-1], 6)}
+def _score(stage: str, summary: dict) -> dict:
+    """A stage's score, from the summary its job reported."""
+    if stage == "distill":
+        return {"examples": summary["examples"]}
+    if stage.startswith("eval"):
+        return {"accuracy": summary["accuracy"], "ci95": summary["ci95"], "rows": summary["rows"]}
+    return {"steps": summary["steps"], "first_loss": round(summary["first_loss"], 6), "final_loss": round(summary["final_loss"], 6)}
 
 
 def table(scores: dict) -> str:

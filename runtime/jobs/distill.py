@@ -7,12 +7,9 @@ example needs assistant content) and counted in the summary."""
 import orjson
 
 from runtime.jobs import rowjob
+from runtime.core.job import Outcome
 from runtime.jobs.rowjob import Output, RowTask
 from runtime.data.rows import content_of
-
-
-def finish_invocation(inv) -> None:
-    rowjob.finish_invocation(inv, "prompts")
 
 
 def _finish(rows, lines) -> Output:
@@ -30,5 +27,5 @@ def _finish(rows, lines) -> Output:
                   f"{len(out)} training examples from {len(lines)} prompts ({failed} failed, {empty} empty answers left out)")
 
 
-def main(inv, events) -> int:
+def main(inv, events) -> Outcome:
     return rowjob.run_rows(inv, events, RowTask("distill", "teacher", "prompts", _finish))

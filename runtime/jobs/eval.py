@@ -10,12 +10,9 @@ import orjson
 from runtime.jobs import rowjob
 from runtime.errors import SpillpackError
 from runtime.jobs.metrics import check, score, wilson
+from runtime.core.job import Outcome
 from runtime.jobs.rowjob import Output, RowTask
 from runtime.data.rows import content_of
-
-
-def finish_invocation(inv) -> None:
-    rowjob.finish_invocation(inv, "evals")
 
 
 def _check(metric: str, field):
@@ -51,7 +48,7 @@ def _finisher(metric: str, field):
     return finish
 
 
-def main(inv, events) -> int:
+def main(inv, events) -> Outcome:
     o = inv.options
     task = RowTask("eval", "model", "evals", _finisher(o["metric"], o.get("field")), _check(o["metric"], o.get("field")),
                    identity={"metric": o["metric"], "field": o.get("field")})

@@ -4,11 +4,8 @@ one line per input row in input order (runtime/rows.py has both shapes)."""
 import orjson
 
 from runtime.jobs import rowjob
+from runtime.core.job import Outcome
 from runtime.jobs.rowjob import Output, RowTask
-
-
-def finish_invocation(inv) -> None:
-    rowjob.finish_invocation(inv, "input")
 
 
 def _finish(rows, lines) -> Output:
@@ -17,5 +14,5 @@ def _finish(rows, lines) -> Output:
     return Output(data, {"failed_rows": failed}, {}, f"{len(lines)} rows, {failed} failed")
 
 
-def main(inv, events) -> int:
+def main(inv, events) -> Outcome:
     return rowjob.run_rows(inv, events, RowTask("run", "model", "input", _finish))

@@ -20,11 +20,9 @@ from safetensors.numpy import save as st_save
 from safetensors.numpy import save_file as st_save_file
 
 from runtime.models.lora import LoraSpec, init_tensors, save_adapter
-from runtime.config.invocation import default_name
 from runtime.data.train import BatchOrder, collate, load_train_data
 from runtime.engines import OptimSpec, get_engine
-from runtime.errors import SpillpackError
-from runtime.core.job import Job
+from runtime.core.job import Job, Outcome
 from runtime.models.ref import resolve_model
 from runtime.core.signals import Abandon
 from runtime.state.store import open_store
@@ -32,32 +30,6 @@ from runtime.models.tokenizer import Tokenizer
 
 CHECKPOINT_TENSORS = "state.safetensors"
 CHECKPOINT_META = "meta.json"
-
-
-def finish_invocation(inv) -> None:
-    o = inv.options
-    if o.get("alpha") is None:
-        o["alpha"] = 2.0 * o["rank"]
-    default_name(inv, "data")
-    if o.get("steps") is None and o.get("epochs") is None:
-        o["epochs"] = 1.0
-
-
-def validate(o: dict) -> None:
-    checks = [
-        (o["rank"] > 0, f"--rank must be positive, not {o['rank']}", "--rank 16"),
-        (o["lr"] > 0, f"--lr must be positive, not {o['lr']}", "--lr 1e-4"),
-        (o["batch"] > 0, f"--batch must be positive, not {o['batch']}", "--batch 4"),
-        (o["grad_accum"] > 0, f"--grad-accum must be positive, not {o['grad_accum']}", "--grad-accum 1"),
-        (o["max_seq"] > 1, f"--max-seq must be at least 2, not {o['max_seq']}", "--max-seq 2048"),
-        (o["ckpt_every"] > 0, f"--ckpt-every must be positive, not {o['ckpt_every']}", "--ckpt-every 50"),
-        (o.get("epochs") is None or o["epochs"] > 0, f"--epochs must be positive, not {o.get('epochs')}", "--epochs 1"),
-        (0 <= o["dropout"] < 1, f"--dropout must be in [0, 1), not {o['dropout']}", "--dropout 0"),
-        (o.get("stop_after") is None or isinstance(o["stop_after"], int), f"--stop-after takes a step count for tune, not {o.get('stop_after')!r}", "--stop-after 10"),
-    ]
-    for ok, what, try_ in checks:
-        if not ok:
-            raise SpillpackError(what, f"spillpack tune ... {try_}")
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int, schedule: str) -> float:
@@ -69,12 +41,11 @@ def learning_rate(step: int, total: int, peak: float, warmup: int, schedule: str
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def main(inv, events) -> int:
+def main(inv, events) -> Outcome:
     a, o = inv.arguments, inv.options
-    validate(o)
     model_dir = resolve_model(a["model"], o.get("weights"))
     tokenizer = Tokenizer.from_dir(model_dir.path)
-    data = load_train_data(a["data"], tokenizer, o["max_seq"], inv.bundle)
+    data = load_train_data(a["data"], tokenizer, o["max_seq"], bundle=inv.bundle)
     spec = LoraSpec(rank=o["rank"], alpha=float(o["alpha"]), targets=tuple(t.strip() for t in o["targets"].split(",") if t.strip()),
                     dropout=o["dropout"])
     tensors = init_tensors(model_dir.config, spec, o["seed"])  # validates --targets before any state is touched
@@ -89,85 +60,93 @@ def main(inv, events) -> int:
         **{k: o[k] for k in ("rank", "alpha", "targets", "dropout", "lr", "schedule", "warmup", "weight_decay",
                              "batch", "grad_accum", "max_seq", "seed")},
     }
-    job = Job.open("tune", o["name"], o, identity, events, invocation=inv.to_config())
-    engine = get_engine(job.engine_name)
-    step, losses = 0, []
-    latest = job.state.latest_checkpoint()
-    try:
-        with job.preemption.setup():
-            session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]))
-            session.pad_id = tokenizer.pad_token_id or 0
-            if latest is not None:
-                meta = orjson.loads(job.state.read_file(latest, CHECKPOINT_META))
-                session.load(st_load(job.state.read_file(latest, CHECKPOINT_TENSORS)), latest.step)
-    except Abandon:
-        return job.preempted(latest.step if latest else 0, abandoned_quantum=True)
-    if latest is not None:
-        step, losses = latest.step, meta["losses"]
-        job.restored(step, job.state.store.child_uri(f"commits/{latest.seq:08d}.json"))
-    committed = step
+    with Job.open(inv, identity, events) as job:
+        engine = get_engine(job.engine_name)
+        latest = job.state.latest_checkpoint()
+        try:
+            with job.preemption.setup():
+                session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]))
+                session.pad_id = tokenizer.pad_token_id or 0
+                if latest is not None:
+                    meta = orjson.loads(job.state.read_file(latest, CHECKPOINT_META))
+                    session.load(st_load(job.state.read_file(latest, CHECKPOINT_TENSORS)), latest.step)
+        except Abandon:
+            return job.preempted(latest.step if latest else 0, abandoned_quantum=True)
+        work = TuneWork(job, engine, session, data, order, total, o, identity)
+        if latest is not None:
+            work.restore(latest.step, meta["losses"])
+            job.restored(latest.step, job.state.commit_uri(latest))
 
-    tokens_per_step = sum(len(data.examples[i].ids) for mb in order.micro_batches(0) for i in mb)
-    est = engine_estimate(model_dir.config, tokens_per_step * max(0, total - step))
-    events.emit("start", step=step, job=o["name"], model=a["model"], placement=f"{job.engine_name}: {job.engine_reason}",
-                state=job.state.uri, estimated_seconds=est, steps=total,
-                message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "
-                        f"({len(data.examples)} examples, {data.dropped_long} longer than --max-seq dropped) on {job.engine_name}, "
-                        f"about {_fmt(est)}; state at {job.state.uri}")
+        tokens_per_step = sum(len(data.examples[i].ids) for mb in order.micro_batches(0) for i in mb)
+        est = engine_estimate(model_dir.config, tokens_per_step * max(0, total - work.done))
+        events.emit("start", step=work.done, job=o["name"], model=a["model"], placement=f"{job.engine_name}: {job.engine_reason}",
+                    state=job.state.uri, estimated_seconds=est, steps=total,
+                    message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "
+                            f"({len(data.examples)} examples, {data.dropped_long} longer than --max-seq dropped) on {job.engine_name}, "
+                            f"about {_fmt(est)}; state at {job.state.uri}")
+        stopped = job.run(work, o.get("stop_after"))
+        if stopped is not None:
+            return stopped
+        losses = work.losses
+        complete = work.done >= total
+        summary = {"steps": work.done, "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None}
+        if complete:
+            summary["adapter"] = write_outputs(job, session, spec, model_dir, a["model"], losses, o)
+        return job.done(work.done, complete, **summary)
 
-    def commit(at: int):
-        nonlocal committed
-        if at == committed:
+
+class TuneWork:
+    """The tune loop's quanta: one optimizer step each. A checkpoint holds the LoRA tensors, the
+    AdamW moments and the losses so far; the data cursor is the step itself."""
+
+    def __init__(self, job, engine, session, data, order, total: int, o: dict, identity: dict):
+        self.job, self.engine, self.session = job, engine, session
+        self.data, self.order, self.total, self.o, self.identity = data, order, total, o, identity
+        self.done = self.committed = 0
+        self.losses: list[float] = []
+        self._t0, self._result, self._targets = 0.0, None, 0
+        self._times: list[float] = []  # recent step times, for eta_s
+
+    def restore(self, step: int, losses: list[float]) -> None:
+        self.done = self.committed = step
+        self.losses = list(losses)
+
+    def remaining(self) -> bool:
+        return self.done < self.total
+
+    def quantum(self) -> None:
+        self._t0 = time.perf_counter()
+        batches = [collate([self.data.examples[i] for i in mb], self.session.pad_id) for mb in self.order.micro_batches(self.done)]
+        self._targets = int(sum((labels != -100).sum() for _, labels in batches))
+        self._result = self.session.forward_backward(batches, self._targets)
+
+    def discard(self) -> None:
+        self.session.discard()
+
+    def settle(self) -> None:
+        o = self.o
+        self.session.apply(learning_rate(self.done, self.total, o["lr"], o["warmup"], o["schedule"]))
+        self.done += 1
+        loss_sum, tokens = self._result
+        loss = loss_sum / self._targets
+        self.losses.append(loss)
+        dt = time.perf_counter() - self._t0
+        self._times = (self._times + [dt])[-10:]
+        eta = (sum(self._times) / len(self._times)) * (self.total - self.done)
+        self.job.events.emit("step", step=self.done, steps=self.total, step_s=round(dt, 4), loss=round(loss, 6),
+                             tokens_per_s=round(tokens / dt, 1), peak_mem_gb=round(self.engine.peak_mem_gb(), 3), eta_s=round(eta, 1))
+
+    def commit_due(self) -> bool:
+        return self.done % self.o["ckpt_every"] == 0 or self.done == self.total
+
+    def commit(self) -> None:
+        if self.done == self.committed:
             return
-        blob = st_save(session.export())
-        meta = orjson.dumps({"step": at, "losses": losses[:at], "hyper": identity})
-        c, seconds = job.state.commit_checkpoint(at, {CHECKPOINT_TENSORS: blob, CHECKPOINT_META: meta})
-        committed = at
-        job.checkpointed(at, job.state.store.child_uri(f"commits/{c.seq:08d}.json"), seconds)
-
-    step_times: list[float] = []
-    stop_after = o.get("stop_after")
-    try:
-        while step < total:
-            if job.preemption.stop_requested:
-                commit(step)
-                return job.preempted(step, abandoned_quantum=False)
-            if stop_after is not None and step >= stop_after:
-                break
-            t0 = time.perf_counter()
-            batches = [collate([data.examples[i] for i in mb], session.pad_id) for mb in order.micro_batches(step)]
-            n_targets = int(sum((labels != -100).sum() for _, labels in batches))
-            try:
-                with job.preemption.abandonable():
-                    loss_sum, tokens = session.forward_backward(batches, n_targets)
-            except Abandon:
-                session.discard()
-                commit(step)
-                return job.preempted(step, abandoned_quantum=True)
-            session.apply(learning_rate(step, total, o["lr"], o["warmup"], o["schedule"]))
-            step += 1
-            loss = loss_sum / n_targets
-            losses.append(loss)
-            job.progress(step)
-            dt = time.perf_counter() - t0
-            step_times.append(dt)
-            recent = step_times[-10:]
-            job.preemption.expected_step_s = max(recent)
-            eta = (sum(recent) / len(recent)) * (total - step)
-            events.emit("step", step=step, steps=total, step_s=round(dt, 4), loss=round(loss, 6),
-                        tokens_per_s=round(tokens / dt, 1), peak_mem_gb=round(engine.peak_mem_gb(), 3), eta_s=round(eta, 1))
-            if step % o["ckpt_every"] == 0 or step == total:
-                commit(step)
-        commit(step)
-    except BaseException:
-        job.close()
-        raise
-
-    complete = step >= total
-    summary = {"steps": step, "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None}
-    if complete:
-        summary["adapter"] = write_outputs(job, session, spec, model_dir, a["model"], losses, o)
-    return job.done(step, complete, **summary)
+        blob = st_save(self.session.export())
+        meta = orjson.dumps({"step": self.done, "losses": self.losses[: self.done], "hyper": self.identity})
+        c, seconds = self.job.state.commit_checkpoint(self.done, {CHECKPOINT_TENSORS: blob, CHECKPOINT_META: meta})
+        self.committed = self.done
+        self.job.checkpointed(self.done, self.job.state.commit_uri(c), seconds)
 
 
 def write_outputs(job, session, spec, model_dir, model_ref, losses, o) -> str:

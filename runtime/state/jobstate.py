@@ -38,7 +38,6 @@ class Commit:
     step: int  # steps done (checkpoint) or rows in the segment
     files: dict  # name -> {"key", "size", "sha256"}
     meta: dict
-    record: dict
 
 
 class StateConflict(SpillpackError):
@@ -63,8 +62,7 @@ class JobState:
 
     def open(self) -> None:
         """Claim the state for this job, or refuse if it holds another job. Writes nothing else."""
-        if hasattr(self.store, "check_writable"):
-            self.store.check_writable()
+        self.store.check_writable()
         body = orjson.dumps(self.identity, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
         existing = self.store.read("job.json")
         if existing is None and not self.store.create("job.json", body):
@@ -91,7 +89,7 @@ class JobState:
             raw = self.store.read(key)
             try:
                 r = orjson.loads(raw) if raw else None
-                out.append(Commit(r["seq"], r["kind"], r["step"], r["files"], r.get("meta", {}), r))
+                out.append(Commit(r["seq"], r["kind"], r["step"], r["files"], r.get("meta", {})))
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 continue  # a torn or foreign record is not a commit
         return sorted(out, key=lambda c: c.seq)
@@ -108,20 +106,26 @@ class JobState:
             described[name] = {"key": key, "size": len(data), "sha256": sha256_bytes(data)}
         record = {"seq": seq, "kind": kind, "step": step, "files": described, "meta": meta,
                   "time": round(time.time(), 3), "host": self.host, "pid": os.getpid(), "engine": self.engine, "writer": self.writer}
-        if not self.store.create(f"commits/{seq:08d}.json", orjson.dumps(record)):
+        if not self.store.create(_record_key(seq), orjson.dumps(record)):
             raise StateConflict(
                 f"another process committed to {self.uri} at the same time (commit {seq}); this one stops so the two do not mix",
                 "make sure one copy of the job runs, then run it again to continue from the newest commit",
             )
         self._next_seq = seq + 1
-        return Commit(seq, kind, step, described, meta, record)
+        return Commit(seq, kind, step, described, meta)
+
+    def commit_uri(self, commit: Commit) -> str:
+        return self.store.child_uri(_record_key(commit.seq))
+
+    def file_uri(self, commit: Commit, name: str) -> str:
+        return self.store.child_uri(commit.files[name]["key"])
 
     def read_file(self, commit: Commit, name: str) -> bytes:
         f = commit.files[name]
         data = self.store.read(f["key"])
         if data is None or len(data) != f["size"] or sha256_bytes(data) != f["sha256"]:
             raise SpillpackError(f"state file {self.store.child_uri(f['key'])} is damaged (its bytes do not match commit {commit.seq})",
-                                 f"delete {self.store.child_uri('commits/%08d.json' % commit.seq)} to fall back to the previous commit")
+                                 f"delete {self.store.child_uri(_record_key(commit.seq))} to fall back to the previous commit")
         return data
 
     # -- checkpoints -------------------------------------------------------------------
@@ -136,7 +140,7 @@ class JobState:
         t0 = time.perf_counter()
         commit = self._commit("checkpoint", step, files, "checkpoints/", meta or {})
         seconds = time.perf_counter() - t0
-        self.log("checkpoint", step=step, seq=commit.seq, uri=self.store.child_uri(f"commits/{commit.seq:08d}.json"), seconds=round(seconds, 3))
+        self.log("checkpoint", step=step, seq=commit.seq, uri=self.store.child_uri(_record_key(commit.seq)), seconds=round(seconds, 3))
         self._prune()
         return commit, seconds
 
@@ -144,7 +148,7 @@ class JobState:
         checkpoints = [c for c in self._commits() if c.kind == "checkpoint"]
         for old in checkpoints[:-KEEP_CHECKPOINTS]:
             # The record goes first: a record never points at files that are already gone.
-            self.store.delete(f"commits/{old.seq:08d}.json")
+            self.store.delete(_record_key(old.seq))
             for f in old.files.values():
                 self.store.delete(f["key"])
 
@@ -217,6 +221,10 @@ class JobState:
             except (orjson.JSONDecodeError, TypeError):
                 continue
         return sorted(out, key=lambda r: r["time"])
+
+
+def _record_key(seq: int) -> str:
+    return f"commits/{seq:08d}.json"
 
 
 def _short(value) -> str:

@@ -5,6 +5,8 @@ exist. `create` succeeds for exactly one writer when several race for the same k
 the commit protocol in state.py is built on that one primitive.
 """
 
+from __future__ import annotations
+
 import os
 import shutil
 import socket
@@ -31,6 +33,15 @@ class Store:
         raise NotImplementedError
 
     def list(self, prefix: str) -> list[str]:
+        raise NotImplementedError
+
+    def list_meta(self, prefix: str = "") -> list[tuple[str, int, str]]:
+        """(key, size, version tag) of every object under `prefix`: the tag changes when the
+        object's bytes do (an S3 ETag; size and mtime for a local file)."""
+        raise NotImplementedError
+
+    def check_writable(self) -> None:
+        """Raise one line if this process cannot write here (before any work is done)."""
         raise NotImplementedError
 
     def size(self, key: str) -> int | None:
@@ -110,6 +121,13 @@ class LocalStore(Store):
                     continue  # someone's write in flight, or a torn one: not an object
                 out.append(str(Path(dirpath, f).relative_to(self.root)).replace(os.sep, "/"))
         return sorted(out)
+
+    def list_meta(self, prefix=""):
+        out = []
+        for key in self.list(prefix):
+            st = self._path(key).stat()
+            out.append((key, st.st_size, f"{st.st_size}-{st.st_mtime_ns}"))
+        return out
 
     def size(self, key):
         try:

@@ -17,7 +17,7 @@ from runtime import __version__
 from runtime.bootstrap.manifest import Manifest
 from runtime.config.invocation import read_config
 from runtime.errors import SpillpackError, UsageError
-from runtime.config.options import JOB_COMMANDS
+from runtime.config.commands import COMMANDS as JOB_COMMANDS
 
 from .. import schedulers
 from . import engines, inputs, wheels, zipapp
