@@ -12,44 +12,53 @@ import orjson
 
 from runtime.bootstrap.bundle import Bundle
 from runtime.config.commands import COMMANDS
+from runtime.config.options import SHARED
 from runtime.config.invocation import check_config, read_config, resolve
 from runtime.errors import SpillpackError
 from runtime.state.store import local_file
 from runtime.state.store import open_store
 
 
+# How this process runs, not what the job is: never replayed from the saved config, and
+# taken from resume's own command line instead (docs/commands.md, resume).
+PER_RUN = [o for o in SHARED if o.per_run]
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("target", metavar="FOLDER|URI", help="a job's state, a bundle folder or a config file")
     parser.add_argument("--state", metavar="URI", help="the state to continue (default: the one FOLDER|URI names)")
+    for opt in PER_RUN:
+        parser.add_argument(opt.flag_name, dest=opt.name, type=opt.type, choices=opt.choices, default=None, metavar=opt.metavar,
+                            help=opt.help)
 
 
-def find_config(target: str, state: str | None) -> tuple[dict, Bundle | None]:
-    """(config, the bundle it comes from) for the job that `target` names."""
+def find_config(target: str, state: str | None) -> tuple[dict, Bundle | None, str | None]:
+    """(config, the bundle it comes from, the state it names) for the job that `target` names."""
     for uri in filter(None, (state, target)):
-        try:
-            raw = open_store(uri).read("invocation.json")
-        except SpillpackError:
-            raw = None
+        raw = open_store(uri).read("invocation.json")  # a store that cannot be read says so: never "not a state"
         if raw:
             try:
-                return check_config(orjson.loads(raw), f"{uri}/invocation.json"), None
+                return check_config(orjson.loads(raw), f"{uri}/invocation.json"), None, uri
             except orjson.JSONDecodeError:
                 raise SpillpackError(f"{uri}/invocation.json is damaged", f"spillpack <command> ... --state {uri}")
     path = local_file(target)
     if path is not None and (path / "files" / "job.json").is_file():  # a bundle: its manifest must be there too
         bundle = Bundle.open(path)
-        return read_config(str(bundle.root / "files" / "job.json")), bundle
+        return read_config(str(bundle.root / "files" / "job.json")), bundle, None
     if path is not None and path.is_file():
-        return read_config(str(path)), None
+        return read_config(str(path)), None, None
     raise SpillpackError(f"{target} is neither a job's state (no invocation.json), a bundle folder nor a config file",
                          f"spillpack status {target}, or spillpack <command> ... --state {target}")
 
 
 def main(ns: dict, events) -> int:
-    config, bundle = find_config(ns["target"], ns.get("state"))
+    config, bundle, state = find_config(ns["target"], ns.get("state"))
     command = config["command"]
-    given = {"state": ns["state"]} if ns.get("state") else {}
-    inv = resolve(command, given, config=config, headless=events.headless, debug=bool(ns.get("debug")), bundle=bundle)
+    # The state it was given is the one it continues, wherever it was moved or copied to.
+    given = {"state": ns.get("state") or state} if (ns.get("state") or state) else {}
+    given.update({o.name: ns[o.name] for o in PER_RUN if ns.get(o.name) is not None})
+    inv = resolve(command, given, config=config, replay_per_run=False, headless=events.headless, debug=bool(ns.get("debug")),
+                  bundle=bundle)
     events.command = command
     if bundle is not None:
         inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)
