@@ -54,3 +54,73 @@ def test_no_module_level_active_bundle():
     for p in sorted((REPO / "runtime").rglob("*.py")):
         text = p.read_text()
         assert "_Active" not in text and "os.chdir" not in text, p
+
+
+MAX_MODULE_LINES = 400  # past this a module is split (docs/architecture.md)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(path: Path, known: set[str]) -> set[str]:
+    """The project modules `path` imports at import time (module level, not inside functions,
+    not under TYPE_CHECKING): the edges along which an import cycle would bite."""
+    mod = _module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = set()
+    tree = ast.parse(path.read_text(), str(path))
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        stmts = node.body if isinstance(node, (ast.If, ast.Try)) else [node]
+        for stmt in stmts:
+            if isinstance(stmt, ast.Import):
+                names = [a.name for a in stmt.names]
+            elif isinstance(stmt, ast.ImportFrom):
+                base = stmt.module or ""
+                if stmt.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (stmt.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in stmt.names]
+            else:
+                continue
+            for name in names:
+                while name and name not in known:
+                    name = name.rpartition(".")[0]
+                if name and name != mod:
+                    out.add(name)
+    return out
+
+
+def test_no_import_cycles():
+    files = sorted(p for top in ("runtime", "spillpack") for p in (REPO / top).rglob("*.py"))
+    known = {_module_name(p) for p in files}
+    graph = {_module_name(p): module_imports(p, known) for p in files}
+
+    # A package's __init__ runs before its submodules: importing a.b imports a first.
+    def deps(mod):
+        return graph.get(mod, set())
+
+    cycles, state = [], {}
+
+    def visit(mod, stack):
+        state[mod] = "open"
+        for dep in sorted(deps(mod)):
+            if state.get(dep) == "open":
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[mod] = "done"
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    assert cycles == []
+
+
+def test_no_module_over_the_size_limit():
+    long = {str(p.relative_to(REPO)): n for top in ("runtime", "spillpack") for p in sorted((REPO / top).rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}

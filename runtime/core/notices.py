@@ -111,7 +111,6 @@ class NoticeWatcher:
         self.base = base or metadata_url()
         self.poll_s = poll_seconds() if poll_s is None else poll_s
         self.source = None  # the provider found, once detection has run
-        self.noticed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -153,7 +152,6 @@ class NoticeWatcher:
             self.source.token = self.source._token()
         while not self._stop.is_set():
             if self.source.notice():
-                self.noticed = True
                 if not self._stop.is_set():
                     self.preemption.request(self.source.name)
                 return
