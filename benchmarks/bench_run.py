@@ -51,7 +51,7 @@ def make_qwen05_shape(out: Path) -> Path:
 def prompts_for(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     from runtime.models.tiny import ensure_tiny
 
-    words = (Path(__file__).resolve().parent.parent / "runtime/tiny_corpus.txt").read_text().split()
+    words = (Path(__file__).resolve().parent.parent / "runtime/models/tiny_corpus.txt").read_text().split()
     rng = random.Random(seed)
     out = []
     for _ in range(n):
