@@ -104,6 +104,9 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None) -> int:
     emit_path = ns.pop("emit_config", None)
     inv = invocation(command, ns, events.headless)
     if emit_path:
+        from runtime.models.ref import check_model_tags
+
+        check_model_tags(inv.arguments, inv.options)  # an unknown tag fails here, not on the cluster
         write_config(inv, emit_path)
         events.say(f"wrote {emit_path}; run it with: spillpack {command} --config {emit_path}")
         return 0

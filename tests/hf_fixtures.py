@@ -131,3 +131,22 @@ def make_family(name: str, out: Path, seed=0, **overrides):
     model = getattr(transformers, model_class)(config).eval()
     _randomize(model)
     return _save(model, out), model
+
+
+def make_gemma3_image_text(out: Path, seed=0):
+    """Gemma 3 as 4B/12B/27B ship it: Gemma3ForConditionalGeneration (model_type gemma3), a
+    small vision tower, and the text model of FAMILIES['gemma3_text'] inside."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    copy_tiny_tokenizer(out)
+    vocab = json.loads((ensure_tiny() / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(seed)
+    text = {**FAMILY_SMALL, **FAMILIES["gemma3_text"][2], "vocab_size": vocab, "eos_token_id": vocab - 1,
+            "bos_token_id": vocab - 3, "pad_token_id": vocab - 3}
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=vocab - 2,
+                          boi_token_index=vocab - 4, eoi_token_index=vocab - 5, eos_token_id=vocab - 1)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    _randomize(model)
+    return _save(model, out), model

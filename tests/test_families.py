@@ -243,3 +243,21 @@ def test_moe_expert_targets_are_refused_in_one_line(family):
         init_tensors(md.config, LoraSpec(4, 8.0, ("q_proj", "gate_proj")), 0)
     assert e.value.line() == ("spillpack: unknown LoRA target 'gate_proj' for qwen3_moe. "
                               "Try: --targets with some of k_proj,o_proj,q_proj,v_proj")
+
+
+def test_gemma3_image_text_checkpoint_loads_its_language_model(tmp_path, tiny_home, monkeypatch):
+    """gemma3:4b/12b/27b are Gemma3ForConditionalGeneration checkpoints: the language model
+    loads from them (vision tower left out) and gives transformers' logits for text."""
+    from tests.hf_fixtures import make_gemma3_image_text
+
+    monkeypatch.setenv("SPILLPACK_HOME", str(tiny_home))
+    path, hf = make_gemma3_image_text(tmp_path / "g3")
+    md = resolve_model(str(path))
+    assert md.arch == "gemma3" and md.config["num_hidden_layers"] == 3
+    ids = prompts_of([15, 15], seed=5)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    for engine in ("torch-cpu", "mlx"):
+        model = get_engine(engine).load_model(md)
+        got = model(torch.tensor(ids)).detach().numpy() if engine == "torch-cpu" else np.array(model(mx.array(ids)))
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0, err_msg=engine)

@@ -195,8 +195,8 @@ def test_weights_not_matching_config(tmp_path):
 
 def test_unknown_tag(tmp_path):
     with pytest.raises(SpillpackError) as e:
-        resolve_model("mistral:7b")
-    assert error_line(e).startswith("spillpack: unknown model tag 'mistral:7b' (known: tiny, qwen2.5:0.5b,")
+        resolve_model("mistral:70b")
+    assert error_line(e).startswith("spillpack: unknown model tag 'mistral:70b' (known: tiny, qwen2.5:0.5b,")
 
 
 def test_tag_without_weights(tmp_path, monkeypatch):
@@ -227,7 +227,7 @@ def test_unsupported_model_type(tmp_path):
     with pytest.raises(SpillpackError) as e:
         resolve_model(str(d))
     assert error_line(e).startswith(f"spillpack: {d / 'config.json'}: model_type 'gpt2' is not supported "
-                                    "(supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3, qwen3_moe)")
+                                    "(supported: gemma3, gemma3_text, llama, mistral, phi3, qwen2, qwen3, qwen3_moe)")
 
 
 def test_missing_tokenizer_and_bad_json(tmp_path):

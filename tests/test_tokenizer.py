@@ -93,19 +93,33 @@ def test_decode_roundtrip_and_specials(tok_dir):
     assert len(ids) == 3 and ours.decode(ids) == "ab"
 
 
-def test_template_not_prefix_stable_is_refused(tmp_path):
+def template_dir(tmp_path, template):
     import json
     import shutil
 
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ensure_tiny() / f, tmp_path / f)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    # Announces the number of turns up front: every earlier rendering changes when a message is added.
-    cfg["chat_template"] = "{{ messages|length }} turns\n{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>\n{% endfor %}"
+    cfg["chat_template"] = template
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    ours = Tokenizer.from_dir(tmp_path)
-    with pytest.raises(SpillpackError, match="not prefix-stable"):
-        ours.encode_chat(CONVERSATIONS[1])
+    return Tokenizer.from_dir(tmp_path)
+
+
+def test_template_not_prefix_stable_is_masked_by_content(tmp_path):
+    # Announces the number of turns up front: every earlier rendering changes when a message is added.
+    ours = template_dir(tmp_path, "{{ messages|length }} turns\n{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>\n{% endfor %}")
+    msgs = CONVERSATIONS[2]
+    ids, mask = ours.encode_chat(msgs)
+    assert ids == ours.encode(ours.apply_chat_template(msgs))
+    trained = ours.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    # Each content (its own surrounding spaces where they share a token with it) and its end-of-turn.
+    assert trained == "Once upon a time, a fox.<|im_end|> The fox ran.\nThe end.  <|im_end|>"
+
+
+def test_template_that_rewrites_content_is_refused(tmp_path):
+    ours = template_dir(tmp_path, "{{ messages|length }}{% for m in messages %}{{ m.role }}: {{ m.content|upper }}<|im_end|>{% endfor %}")
+    with pytest.raises(SpillpackError, match="content is not in its rendering, so its tokens cannot be masked"):
+        ours.encode_chat(CONVERSATIONS[2])
 
 
 def test_raise_exception_in_template_is_a_clean_error(tmp_path):

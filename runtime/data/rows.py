@@ -20,7 +20,7 @@ from runtime.errors import SpillpackError
 # Body parameters we honour; "model" is the job's model whatever the row says, "n" and
 # "stream" only in the one value a batch line can mean.
 SUPPORTED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "model", "n",
-             "stream", "user"}
+             "stream", "user", "chat_template_kwargs"}
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Row:
     has_expected: bool = False
     error: str | None = None  # set: the row is answered with an error line, not generated
     prompt_ids: list[int] = field(default_factory=list)
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, e.g. {"enable_thinking": true}
 
 
 def parse_rows(raw: bytes, uri: str, max_tokens: int, temperature: float, top_p: float, seed: int) -> list[Row]:
@@ -97,6 +98,10 @@ def _fill(row: Row, obj: dict) -> str | None:
     if not isinstance(s, int) or isinstance(s, bool):
         return f"seed must be an integer, not {s!r}"
     row.seed = s
+    kw = body.get("chat_template_kwargs", {})
+    if not isinstance(kw, dict):
+        return f"chat_template_kwargs must be a JSON object, not {kw!r}"
+    row.template_kwargs = kw
     return None
 
 
@@ -106,7 +111,7 @@ def encode_rows(rows: list[Row], tokenizer, context: int) -> None:
         if row.error:
             continue
         try:
-            row.prompt_ids = tokenizer.encode_prompt(row.messages)
+            row.prompt_ids = tokenizer.encode_prompt(row.messages, **row.template_kwargs)
         except SpillpackError as e:
             row.error = e.what
             continue

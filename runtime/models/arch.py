@@ -29,6 +29,26 @@ def sanitize_llama(args: ModelArgs, weights: dict) -> dict:
     return weights
 
 
+def sanitize_gemma3_multimodal(args: ModelArgs, weights: dict) -> dict:
+    """Gemma 3 4B/12B/27B ship as an image-text model: keep the language model, under the text
+    model's names (the Hub's `language_model.model.*`, transformers 5's `model.language_model.*`),
+    and leave the vision tower and its projector out."""
+    text = {}
+    for k, v in weights.items():
+        for prefix in ("language_model.model.", "model.language_model."):
+            if k.startswith(prefix):
+                text["model." + k[len(prefix):]] = v
+        if k in ("language_model.lm_head.weight", "lm_head.weight"):
+            text["lm_head.weight"] = v
+    return sanitize_llama(args, text)
+
+
+# Gemma3TextConfig's defaults: an image-text config.json's text_config lists only what differs.
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                            rope_theta=1_000_000.0, query_pre_attn_scalar=256, sliding_window=4096)
+
+
 @dataclass(frozen=True)
 class Architecture:
     model_type: str
@@ -36,6 +56,16 @@ class Architecture:
     module: str  # file name under runtime/engines/<framework>/models/
     sanitize: Callable[[ModelArgs, dict], dict] = sanitize_llama
     frameworks: tuple[str, ...] = field(default=FRAMEWORKS)
+    text_config: dict | None = None  # an image-text model whose language model is used: its text_config's defaults
+
+    def effective_config(self, config: dict) -> dict:
+        """The config the model is built from: config.json, or its text_config for an image-text model."""
+        if self.text_config is None:
+            return config
+        nested = config.get("text_config") or {}
+        return {**self.text_config, **nested, "model_type": config["model_type"],
+                "tie_word_embeddings": config.get("tie_word_embeddings", nested.get("tie_word_embeddings", True)),
+                **{k: config[k] for k in ("eos_token_id", "bos_token_id", "pad_token_id") if k in config}}
 
     def model_module(self, framework: str):
         """runtime.engines.<framework>.models.<module>, imported now (it imports its framework)."""
@@ -53,6 +83,7 @@ ARCHITECTURES = {
     "qwen3_moe": Architecture("qwen3_moe", Qwen3MoeArgs, "qwen3_moe"),
     "phi3": Architecture("phi3", Phi3Args, "phi3"),
     "gemma3_text": Architecture("gemma3_text", Gemma3Args, "gemma3"),
+    "gemma3": Architecture("gemma3", Gemma3Args, "gemma3", sanitize_gemma3_multimodal, text_config=GEMMA3_TEXT_DEFAULTS),
 }
 SUPPORTED = ", ".join(sorted(ARCHITECTURES))
 

@@ -23,12 +23,33 @@ class Tag:
     hf_repo: str  # where the weights come from, for the hint in error messages
 
 
+SINGLE, SHARDED = ("model.safetensors",), ("model.safetensors.index.json",)
+# Every tag a user types: its architecture and the Hugging Face repository its files come from
+# (instruct/chat variants; Qwen3's are hybrid thinking models). Gemma 3 4B and up ship as
+# image-text models (model_type gemma3), of which the language model is used.
 TAGS = {
-    "qwen2.5:0.5b": Tag("qwen2", ("model.safetensors",), "Qwen/Qwen2.5-0.5B-Instruct"),
-    "qwen2.5:1.5b": Tag("qwen2", ("model.safetensors",), "Qwen/Qwen2.5-1.5B-Instruct"),
-    "llama3.2:1b": Tag("llama", ("model.safetensors",), "meta-llama/Llama-3.2-1B-Instruct"),
-    "llama3.2:3b": Tag("llama", ("model.safetensors.index.json",), "meta-llama/Llama-3.2-3B-Instruct"),
-    "llama3.1:8b": Tag("llama", ("model.safetensors.index.json",), "meta-llama/Llama-3.1-8B-Instruct"),
+    "qwen2.5:0.5b": Tag("qwen2", SINGLE, "Qwen/Qwen2.5-0.5B-Instruct"),
+    "qwen2.5:1.5b": Tag("qwen2", SINGLE, "Qwen/Qwen2.5-1.5B-Instruct"),
+    "qwen2.5:3b": Tag("qwen2", SHARDED, "Qwen/Qwen2.5-3B-Instruct"),
+    "qwen2.5:7b": Tag("qwen2", SHARDED, "Qwen/Qwen2.5-7B-Instruct"),
+    "qwen2.5:14b": Tag("qwen2", SHARDED, "Qwen/Qwen2.5-14B-Instruct"),
+    "qwen3:0.6b": Tag("qwen3", SINGLE, "Qwen/Qwen3-0.6B"),
+    "qwen3:1.7b": Tag("qwen3", SHARDED, "Qwen/Qwen3-1.7B"),
+    "qwen3:4b": Tag("qwen3", SHARDED, "Qwen/Qwen3-4B"),
+    "qwen3:8b": Tag("qwen3", SHARDED, "Qwen/Qwen3-8B"),
+    "qwen3:14b": Tag("qwen3", SHARDED, "Qwen/Qwen3-14B"),
+    "qwen3:32b": Tag("qwen3", SHARDED, "Qwen/Qwen3-32B"),
+    "qwen3:30b-a3b": Tag("qwen3_moe", SHARDED, "Qwen/Qwen3-30B-A3B"),
+    "llama3.2:1b": Tag("llama", SINGLE, "meta-llama/Llama-3.2-1B-Instruct"),
+    "llama3.2:3b": Tag("llama", SHARDED, "meta-llama/Llama-3.2-3B-Instruct"),
+    "llama3.1:8b": Tag("llama", SHARDED, "meta-llama/Llama-3.1-8B-Instruct"),
+    "gemma3:1b": Tag("gemma3_text", SINGLE, "google/gemma-3-1b-it"),
+    "gemma3:4b": Tag("gemma3", SHARDED, "google/gemma-3-4b-it"),
+    "gemma3:12b": Tag("gemma3", SHARDED, "google/gemma-3-12b-it"),
+    "gemma3:27b": Tag("gemma3", SHARDED, "google/gemma-3-27b-it"),
+    "mistral:7b": Tag("mistral", SHARDED, "mistralai/Mistral-7B-Instruct-v0.3"),
+    "phi4-mini": Tag("phi3", SHARDED, "microsoft/Phi-4-mini-instruct"),
+    "phi3.5-mini": Tag("phi3", SHARDED, "microsoft/Phi-3.5-mini-instruct"),
 }
 
 
@@ -77,13 +98,34 @@ def resolve_model(ref: str, weights: str | None = None) -> ModelDir:
     path = local_path(ref)
     if path.is_dir():
         return validate(path)
-    if ":" in ref and "/" not in ref and "://" not in ref:
-        known = ", ".join(["tiny", *TAGS])
-        raise SpillpackError(f"unknown model tag {ref!r} (known: {known})", "--model tiny, or --model /path/to/hf-model-dir")
+    check_tag(ref)
     raise SpillpackError(
         f"model {ref!r} is neither a known tag nor a local model directory",
         "--model tiny, --model qwen2.5:0.5b --weights /path/to/weights, or --model /path/to/hf-model-dir",
     )
+
+
+MODEL_KEYS = ("model", "teacher", "student")  # the job arguments and options that name a model
+
+
+def looks_like_tag(ref: str) -> bool:
+    return ":" in ref and "/" not in ref and "://" not in ref
+
+
+def check_tag(ref: str) -> None:
+    """Refuse a reference written like a tag (name:size) that is not a known one."""
+    if looks_like_tag(ref) and ref not in TAGS:
+        known = ", ".join(["tiny", *TAGS])
+        raise SpillpackError(f"unknown model tag {ref!r} (known: {known})", "--model tiny, or --model /path/to/hf-model-dir")
+
+
+def check_model_tags(*sections: dict) -> None:
+    """Every model a job names, checked where the job is written down (--emit-config, pack):
+    a tag unknown here is refused on the laptop, not on the cluster."""
+    for section in sections:
+        for key in MODEL_KEYS:
+            if isinstance(section.get(key), str):
+                check_tag(section[key])
 
 
 def find_tag(tag: str, weights: str | None) -> Path:
@@ -121,7 +163,9 @@ def validate(path: Path, tag: Tag | None = None) -> ModelDir:
     for name in TOKENIZER_FILES:
         if not (path / name).exists():
             raise SpillpackError(f"no {name} in {path}", f"copy the tokenizer files of the model into {path}")
-    arch = architecture(config, str(config_file)).model_type
+    architecture_ = architecture(config, str(config_file))
+    arch = architecture_.model_type
+    config = architecture_.effective_config(config)
     if tag is not None and arch != tag.arch:
         raise SpillpackError(
             f"{config_file} has model_type {arch!r}, but the tag expects {tag.arch!r}",

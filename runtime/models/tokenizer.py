@@ -14,6 +14,10 @@ from pathlib import Path
 
 from runtime.errors import SpillpackError
 
+# Variables every template sees unless a caller overrides them (transformers passes a call's
+# kwargs the same way): thinking off, for training data and for `run` rows that do not ask.
+TEMPLATE_DEFAULTS = {"enable_thinking": False}
+
 # End-of-turn tokens of the chat formats we know; one found in the template also stops generation.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
@@ -127,37 +131,56 @@ class Tokenizer:
             )
         return compile_template(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, **kwargs) -> str:
+        """The conversation as transformers' apply_chat_template(tokenize=False) renders it.
+
+        `kwargs` reach the template as variables, as transformers passes them; thinking is off
+        unless asked for (enable_thinking=True): Qwen3's template then writes an empty think block
+        into the generation prompt, so `run` answers and training targets carry no reasoning.
+        """
         import jinja2
 
+        variables = {**TEMPLATE_DEFAULTS, **kwargs}
         try:
             return self._template.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                **self.special_tokens, **variables
             )
         except jinja2.exceptions.TemplateError as e:
             raise SpillpackError(f"the chat template of {self.path} refused the conversation: {e}", "check the roles and order of the messages")
 
-    def encode_prompt(self, messages: list[dict]) -> list[int]:
+    def encode_prompt(self, messages: list[dict], **kwargs) -> list[int]:
         """Token ids of a conversation followed by the assistant header, ready to generate from."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
 
-    def encode_chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+    def encode_chat(self, messages: list[dict], **kwargs) -> tuple[list[int], list[int]]:
         """Token ids of a whole conversation and a loss mask over them.
 
         The mask is 1 on each assistant turn's content and its end-of-turn token, 0 on
         everything the template adds around it (system prompt, headers, user turns).
         The rendering is cut after each message; what each cut adds is tokenized on its
         own, so every token is known to come from one message.
+
+        A template that rewrites earlier turns as the conversation grows is not prefix-stable
+        (Qwen3 drops the think block of assistant turns before the last user message; Mistral
+        moves the system prompt to the last user turn). Then the whole conversation is
+        rendered once, as the model sees it, each assistant message's content is found in it
+        in order, and the mask covers the tokens of that content and the end-of-turn token
+        right after it.
         """
         pieces: list[tuple[str, bool]] = []  # (text, is assistant body) in rendering order
         done = ""
         for i, message in enumerate(messages):
             if message.get("role") == "assistant":
-                header = self.apply_chat_template(messages[:i], add_generation_prompt=True) if i else ""
-                pieces.append((self._increment(done, header, i), False))
+                header = self.apply_chat_template(messages[:i], add_generation_prompt=True, **kwargs) if i else ""
+                if not header.startswith(done):
+                    return self._mask_by_content(messages, kwargs)
+                pieces.append((header[len(done):], False))
                 done = header
-            full = self.apply_chat_template(messages[: i + 1])
-            pieces.append((self._increment(done, full, i), message.get("role") == "assistant"))
+            full = self.apply_chat_template(messages[: i + 1], **kwargs)
+            if not full.startswith(done):
+                return self._mask_by_content(messages, kwargs)
+            pieces.append((full[len(done):], message.get("role") == "assistant"))
             done = full
         ids, mask = [], []
         for text, trained in pieces:
@@ -168,14 +191,37 @@ class Tokenizer:
             return self._mask_by_offsets(done, pieces)
         return ids, mask
 
-    def _increment(self, done: str, rendered: str, i: int) -> str:
-        if not rendered.startswith(done):
-            raise SpillpackError(
-                f"the chat template of {self.path} is not prefix-stable: rendering the conversation up to message {i} "
-                "changes the text of the earlier messages, so the assistant tokens cannot be masked reliably",
-                "a model whose chat template renders earlier turns the same whatever follows (Qwen2.5, Llama 3)",
-            )
-        return rendered[len(done) :]
+    def _mask_by_content(self, messages: list[dict], kwargs: dict) -> tuple[list[int], list[int]]:
+        text = self.apply_chat_template(messages, **kwargs)
+        spans, pos = [], 0
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            content = str(message.get("content") or "").strip()
+            # Qwen3 renders an earlier turn's "<think>...</think>answer" as the answer alone, and the
+            # last turn's reasoning in its own think block: the answer is what is found (and trained).
+            start = -1
+            for candidate in dict.fromkeys([content, content.split("</think>")[-1].strip()]):
+                if candidate and (start := text.find(candidate, pos)) >= 0:
+                    content = candidate
+                    break
+            if start < 0:
+                raise SpillpackError(
+                    f"the chat template of {self.path} rewrites earlier turns and message {i}'s content is not in its "
+                    "rendering, so its tokens cannot be masked",
+                    "a model whose chat template renders assistant content as given (Qwen2.5, Qwen3, Llama 3, Gemma 3)",
+                )
+            end = start + len(content)
+            while end < len(text) and text[end].isspace():  # the content's own trailing whitespace, or glue
+                end += 1  # before its end-of-turn token (trained either way in the prefix-stable path)
+            spans.append((start, end))
+            pos = end
+        enc = self._tok.encode(text, add_special_tokens=False)
+        mask = [1 if any(s < b and e > a for a, b in spans) else 0 for s, e in enc.offsets]
+        for j in range(1, len(mask)):  # the end-of-turn token right after a trained content
+            if mask[j - 1] and not mask[j] and enc.ids[j] in self.eos_token_ids:
+                mask[j] = 1
+        return enc.ids, mask
 
     def _body_mask(self, ids: list[int]) -> list[int]:
         # Up to and including the last end-of-turn token: the model must learn to stop.

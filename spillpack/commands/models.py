@@ -16,7 +16,7 @@ def rows() -> list[dict]:
             "here": str(models / "tiny") if (models / "tiny" / "config.json").exists() else None}]
     for tag, t in TAGS.items():
         local = models / tag_dirname(tag)
-        out.append({"name": tag, "arch": t.arch, "source": f"--weights URI holding {t.hf_repo}",
+        out.append({"name": tag, "arch": t.arch, "hf_repo": t.hf_repo, "source": f"--weights URI holding {t.hf_repo}",
                     "here": str(local) if (local / "config.json").exists() else None})
     known = {tag_dirname(r["name"]) for r in out}
     if models.is_dir():
@@ -34,7 +34,8 @@ def main(ns: dict, events) -> int:
             events.out.write(json.dumps(r) + "\n")
         return 0
     width = max(len(r["name"]) for r in table)
+    arch_width = max(len(str(r["arch"])) for r in table)
     for r in table:
         where = r["here"] or "not on this machine"
-        print(f"{r['name']:<{width}}  {r['arch']:<6}  {where}  ({r['source']})")
+        print(f"{r['name']:<{width}}  {str(r['arch']):<{arch_width}}  {where}  ({r['source']})")
     return 0
