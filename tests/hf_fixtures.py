@@ -102,6 +102,10 @@ FAMILY_SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
 WINDOW = 8  # shorter than most test prompts, so sliding layers really slide
 FAMILIES = {
     # name: (config class, model class, config arguments)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2, rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2)),
     "qwen3-window": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2, use_sliding_window=True,
                                                                sliding_window=WINDOW, max_window_layers=1)),

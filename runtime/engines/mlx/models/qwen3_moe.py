@@ -31,7 +31,9 @@ class SparseMoeBlock(nn.Module):
     def route(self, x):
         """(N, D) tokens -> (weights (N, top_k) in x's dtype, experts (N, top_k)), largest first."""
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)  # (N, experts)
-        chosen = mx.argsort(-probs, axis=-1)[:, : self.top_k]  # like torch.topk: descending
+        # Like torch.topk: descending. Indices carry no gradient (as in torch): the router
+        # learns through the weights of the experts it chose.
+        chosen = mx.stop_gradient(mx.argsort(-probs, axis=-1)[:, : self.top_k])
         weights = mx.take_along_axis(probs, chosen, axis=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
