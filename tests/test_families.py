@@ -286,3 +286,50 @@ def test_training_moves_between_engines(family, name):
     assert sorted(a) == sorted(b) and any(k.endswith(".exp_avg_sq") for k in a)
     for k in a:
         np.testing.assert_allclose(b[k], a[k], atol=1e-5, rtol=0, err_msg=k)
+
+
+def test_gemma3_image_text_merge_loads_back(tmp_path, tiny_home, monkeypatch):
+    """`tune --merge` of an image-text Gemma 3 writes the language model under the text model's
+    names; spillpack loads it back with the adapted model's logits."""
+    from runtime.jobs.tune import write_merged
+    from tests.hf_fixtures import make_gemma3_image_text
+
+    monkeypatch.setenv("SPILLPACK_HOME", str(tiny_home))
+    path, _ = make_gemma3_image_text(tmp_path / "g3")
+    md = resolve_model(str(path))
+    spec = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "down_proj"))
+    session = get_engine("torch-cpu").train_session(md, spec, random_lora(md.config, spec), OptimSpec())
+    write_merged(tmp_path / "merged", session, md)
+    ids = torch.tensor(prompts_of([12, 12], seed=6))
+    with torch.no_grad():
+        want = session.model(ids)
+        got = get_engine("torch-cpu").load_model(resolve_model(str(tmp_path / "merged")))(ids)
+    assert (got - want).abs().max().item() < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_tune_resumes_on_the_other_engine_through_the_cli(family, name, home, tmp_path):
+    """A tune of each family stopped after 2 of 4 steps on torch-cpu and finished on mlx: every
+    step's loss within 1e-4 of an uninterrupted torch-cpu run, each step run once."""
+    from tests.conftest import REPO, events_of, run_cli
+
+    md, _ = family(name)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join((REPO / "examples/data/train.jsonl").read_text().splitlines(True)[:24]))
+    base = ["tune", str(md.path), str(data), "--steps", "4", "--batch", "2", "--lr", "1e-3", "--ckpt-every", "1",
+            "--targets", ",".join(lora_targets(md))]
+
+    def losses(r):
+        assert r.returncode == 0, r.stderr
+        return {e["step"]: e["loss"] for e in events_of(r.stdout) if e["event"] == "step"}
+
+    ref = losses(run_cli(base + ["--engine", "torch-cpu", "--state", str(tmp_path / "ref")]))
+    first = losses(run_cli(base + ["--engine", "torch-cpu", "--state", str(tmp_path / "s"), "--stop-after", "2"]))
+    second = run_cli(base + ["--engine", "mlx", "--state", str(tmp_path / "s")])
+    rest = losses(second)
+    assert sorted(ref) == [1, 2, 3, 4] and sorted(first) == [1, 2] and sorted(rest) == [3, 4]
+    assert [e["step"] for e in events_of(second.stdout) if e["event"] == "restore"] == [2]
+    for step, loss in {**first, **rest}.items():
+        assert loss == pytest.approx(ref[step], abs=1e-4), (step, loss, ref[step])
+    assert (tmp_path / "s" / "adapter" / "adapter_model.safetensors").is_file()

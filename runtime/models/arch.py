@@ -40,6 +40,8 @@ def sanitize_gemma3_multimodal(args: ModelArgs, weights: dict) -> dict:
                 text["model." + k[len(prefix):]] = v
         if k in ("language_model.lm_head.weight", "lm_head.weight"):
             text["lm_head.weight"] = v
+        if k.startswith(("model.embed_tokens.", "model.layers.", "model.norm.")):
+            text[k] = v  # already the text model's names: a `tune --merge` of this model
     return sanitize_llama(args, text)
 
 
