@@ -178,7 +178,7 @@ def test_pack_writes_each_schedulers_file_beside_the_bundle(home, tmp_path):
     assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["sh", "/work/job1/run.sh"]
 
     sbatch = (out / "job1.sbatch").read_text()
-    assert "#SBATCH --job-name=spillpack-my-job-v2" in sbatch and "$SLURM_SUBMIT_DIR/job1" in sbatch
+    assert "#SBATCH --job-name=spillpack-my-job-v2" in sbatch and "packed=job1\nbundle=${SPILLPACK_BUNDLE:-$SLURM_SUBMIT_DIR/$packed}" in sbatch
     assert subprocess.run(["bash", "-n", str(out / "job1.sbatch")]).returncode == 0
 
     # Never overwritten: a second pack naming the same files is refused before anything is written.

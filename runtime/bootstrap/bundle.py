@@ -52,10 +52,11 @@ class Bundle:
         if digest != entry.sha256:
             raise _damaged(rel, "does not match its SHA-256 in MANIFEST.json")
 
-    def present(self) -> list[str]:
-        """Every file in the bundle directory but the manifest and what the bundle writes at run time."""
+    def present(self, under: str = "") -> list[str]:
+        """Every file in the bundle directory (or its folder `under`) but the manifest and what
+        the bundle writes at run time."""
         out = []
-        for dirpath, dirs, files in os.walk(self.root):
+        for dirpath, dirs, files in os.walk(self.root / under):
             rel_dir = Path(dirpath).relative_to(self.root)
             if rel_dir == Path("."):
                 dirs[:] = [d for d in dirs if d != PRIVATE_DIR]
@@ -88,12 +89,17 @@ class Bundle:
     def localize(self, values: dict) -> dict:
         """`files/...` values made absolute under the bundle; every file inside a bundled directory
         is checked now, since weights and adapters are read by libraries that do not go through
-        check_read (a single file is checked as it is read)."""
+        check_read (a single file is checked as it is read), and such a directory may hold no
+        file the manifest does not list (a library would read an added shard as well)."""
         out = dict(values)
         for key, value in values.items():
             if isinstance(value, str) and value.startswith(BUNDLE_PREFIX):
                 out[key] = str(self.root / value)
                 prefix = value.rstrip("/") + "/"
+                if (self.root / value).is_dir():
+                    extra = sorted(set(self.present(value.rstrip("/"))) - set(self.manifest.files))
+                    if extra:
+                        raise _damaged(extra[0], "is not in MANIFEST.json")
                 for rel in sorted(self.manifest.files):
                     if rel.startswith(prefix):
                         self.check_file(rel)

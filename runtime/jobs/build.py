@@ -22,6 +22,7 @@ from runtime.jobs.rowjob import RESULTS
 
 STAGE_MARKER = "stage"
 TUNE_DATA = "data/tune.jsonl"
+FOLDER_FILES = ("evals.jsonl", "train.jsonl", "prompts.jsonl")  # all a build reads from FOLDER (and all `pack` copies)
 
 
 class StageEvents:
@@ -50,7 +51,7 @@ def _folder_files(folder: str, bundle=None) -> dict[str, bytes]:
     if path is not None and not path.is_dir():
         raise SpillpackError(f"build folder {folder} does not exist or is not a directory", f"ls {folder}")
     files = {}
-    for name in ("evals.jsonl", "train.jsonl", "prompts.jsonl"):
+    for name in FOLDER_FILES:
         data = read_bytes(f"{base}/{name}", name, bundle, missing_ok=True)  # absent is fine; damaged is an error
         if data is not None:
             files[name] = data

@@ -15,21 +15,32 @@ from pathlib import Path
 from runtime.bootstrap.manifest import MANIFEST, FileEntry, Manifest
 from runtime.fileio import sha256_bytes, sha256_file
 
+from ..quoting import comment, sh
+
 CHUNK = 8 << 20
 
 RUN_SH = """\
 #!/bin/sh
-# A spillpack bundle: the {command} job {name}, packed by spillpack {version} for Python {python} on {platforms}.
-#   ./run.sh [OPTIONS]   run the job, or continue it; OPTIONS go to `spillpack {command}` (e.g. --stop-after 5)
+# A spillpack bundle: the {command_c} job {name_c}, packed by {packer_c} for Python {python_c} on {platforms_c}.
+#   ./run.sh [OPTIONS]   run the job, or continue it; OPTIONS go to `spillpack {command_c}` (e.g. --stop-after 5)
 #   ./run.sh --verify    check every file of the bundle against MANIFEST.json
 # Exit 0: done. 75: preempted after a checkpoint; run this again to continue. 1: error. 2: usage.
 # SPILLPACK_PYTHON picks the interpreter (default python3), SHIV_ROOT where the zipapp unpacks.
+command={command}
+want={python}
 here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd -P) || exit 1
+# The bundle's own files first: a partial copy is one line here, not Python's traceback later.
+for f in spillpack.pyz MANIFEST.json files/job.json; do
+  if [ ! -f "$here/$f" ]; then
+    echo "spillpack: $here/$f is missing, so the bundle is incomplete. Try: copy the bundle again, then $0 --verify" >&2
+    exit 1
+  fi
+done
 py=${{SPILLPACK_PYTHON:-python3}}
 have=$("$py" -S -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || {{
-  echo "spillpack: no Python found as '$py'. Try: install Python {python}, or SPILLPACK_PYTHON=/path/to/python{python} $0" >&2; exit 1; }}
-if [ "$have" != "{python}" ]; then
-  echo "spillpack: this bundle needs Python {python}, but $py is Python $have. Try: SPILLPACK_PYTHON=/path/to/python{python} $0, or spillpack pack ... --python $have" >&2
+  echo "spillpack: no Python found as '$py'. Try: install Python $want, or SPILLPACK_PYTHON=/path/to/python$want $0" >&2; exit 1; }}
+if [ "$have" != "$want" ]; then
+  echo "spillpack: this bundle needs Python $want, but $py is Python $have. Try: SPILLPACK_PYTHON=/path/to/python$want $0, or spillpack pack ... --python $have" >&2
   exit 1
 fi
 # Unpack the zipapp on a node-local disk: HOME may be read-only, or shared by every node.
@@ -46,8 +57,17 @@ if [ "${{1:-}}" = "--verify" ]; then
   exec "$py" "$here/spillpack.pyz" --verify
 fi
 # exec: the job becomes this process, so a scheduler's SIGTERM reaches it (also as PID 1).
-exec "$py" "$here/spillpack.pyz" {command} --config "$here/files/job.json" "$@"
+exec "$py" "$here/spillpack.pyz" "$command" --config "$here/files/job.json" "$@"
 """
+
+
+def run_sh(command: str, name: str, packer: str, python: str, platforms: list[str]) -> bytes:
+    """run.sh for one job. Every value goes through spillpack.quoting: shell code gets
+    shlex.quote, comments an escaped form with no line break, so a job name or a path can
+    never become a command (the name comes from a file name by default)."""
+    return RUN_SH.format(command=sh(command), python=sh(python), command_c=comment(command), name_c=comment(name),
+                         packer_c=comment(packer), python_c=comment(python),
+                         platforms_c=comment(", ".join(platforms))).encode()
 
 
 def copy_hashed(src: Path, dest: Path) -> tuple[int, str]:

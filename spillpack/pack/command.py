@@ -21,7 +21,7 @@ from runtime.config.commands import COMMANDS as JOB_COMMANDS
 
 from .. import schedulers
 from . import engines, inputs, wheels, zipapp
-from .bundle import RUN_SH, Writer
+from .bundle import Writer, run_sh
 
 
 def _pack_options(p: argparse.ArgumentParser) -> None:
@@ -142,8 +142,8 @@ def main(ns: dict, events) -> int:
             for whl in ws:
                 w.copy(f"wheels/{tag}/{whl.name}", whl)
         name = inv.options.get("name") or inv.command
-        w.write("run.sh", RUN_SH.format(command=inv.command, name=name, version=__version__, python=python,
-                                        platforms=", ".join(platforms)).encode(), origin="written by spillpack pack", mode=0o755)
+        w.write("run.sh", run_sh(inv.command, name, f"spillpack {__version__}", python, platforms),
+                origin="written by spillpack pack", mode=0o755)
         carries = zipapp.carries(per_platform)
         manifest = Manifest(packer=f"spillpack {__version__}", command=inv.command, name=name, python=python,
                             platforms=platforms, zipapp={"entry_point": zipapp.ENTRY_POINT, "carries": carries},

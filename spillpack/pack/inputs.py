@@ -44,6 +44,31 @@ def _local(name: str, value: str) -> Path | None:
     return Path(os.path.abspath(os.path.expanduser(value)))
 
 
+def _build_folder(path: Path) -> list[Path]:
+    """A build folder: only the files a build reads (runtime.jobs.build.FOLDER_FILES), never the
+    rest of the folder (.env, .aws/, .git/, earlier bundles), and no link that leaves the folder."""
+    from runtime.jobs.build import FOLDER_FILES
+
+    if not path.is_dir():
+        raise SpillpackError(f"build folder {path} does not exist or is not a directory", f"ls {path.parent}")
+    root = path.resolve()
+    out = []
+    for fname in FOLDER_FILES:
+        p = path / fname
+        if not os.path.lexists(p):
+            continue
+        real = p.resolve()
+        if not real.is_relative_to(root):
+            raise SpillpackError(f"build folder {path}: {fname} links to {real}, outside the folder; pack does not follow it",
+                                 f"copy the file into {path} instead of linking it")
+        if not real.is_file():
+            raise SpillpackError(f"build folder {path}: {fname} is not a regular file, so it cannot be packed", f"ls -l {p}")
+        out.append(p)
+    if not out:
+        raise SpillpackError(f"build folder {path} has none of {', '.join(FOLDER_FILES)}", f"ls {path}")
+    return out
+
+
 def _files_under(name: str, path: Path) -> list[Path]:
     if not path.exists():
         kind = "directory" if name in ("folder", "adapter", WEIGHTS_OPTION) else "file"
@@ -55,8 +80,9 @@ def _files_under(name: str, path: Path) -> list[Path]:
                              "bundle-relative", f"copy it to a regular file and pack that")
     out = []
     for dirpath, dirs, files in os.walk(path):
-        dirs.sort()
-        for f in sorted(files):
+        # Never a dot-file or dot-directory (.git, .env, .cache): no job reads them, and they hold secrets.
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for f in sorted(f for f in files if not f.startswith(".")):
             p = Path(dirpath, f)
             if not stat.S_ISREG(p.stat().st_mode):
                 raise SpillpackError(f"{p} is not a regular file, so it cannot be made bundle-relative", f"remove it from {path}")
@@ -92,7 +118,7 @@ def plan(values: dict, include_weights: bool) -> Plan:
 
     if data:
         tops = [p if p.is_dir() else p.parent for p in data.values()]
-        file_lists = {name: _files_under(name, p) for name, p in data.items()}
+        file_lists = {name: _build_folder(p) if name == "folder" else _files_under(name, p) for name, p in data.items()}
         common = Path(os.path.commonpath([str(t) for t in tops]))
         for name, path in data.items():
             rel = path.relative_to(common).as_posix()

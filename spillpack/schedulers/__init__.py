@@ -4,6 +4,10 @@ The templates beside this module are the one source of truth: `spillpack pack
 --scheduler KIND` renders them for the packed job, and examples/schedulers/ holds them
 rendered for the example job `mine` (EXAMPLE); a test keeps the two equal, and
 `python -m spillpack.schedulers` rewrites the examples after a template changes.
+
+Every value in a template goes through a filter of spillpack.quoting (`| sh`, `| yaml`,
+`| comment`, `| word`); rendering refuses a value that did not, so a bundle name or a
+state path holding a newline, quotes or `$(...)` can never become YAML keys or commands.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import jinja2
+
+from spillpack import quoting
 
 KINDS = ("skypilot", "slurm", "kubernetes")
 TEMPLATES = Path(__file__).parent / "templates"
@@ -62,8 +68,16 @@ def file_names(kind: str, bundle: str) -> dict[str, str]:
     }[kind]
 
 
+def _only_quoted(value):
+    """Jinja's finalize: every {{ ... }} output must have gone through a quoting filter (ints cannot inject)."""
+    if isinstance(value, quoting.Quoted) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise jinja2.TemplateError(f"a value reached a scheduler file unquoted ({value!r}); use | sh, | yaml, | comment or | word")
+
+
 _env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
-                          keep_trailing_newline=True, autoescape=False)
+                          keep_trailing_newline=True, autoescape=False, finalize=_only_quoted)
+_env.filters.update(sh=quoting.sh, yaml=quoting.yaml, comment=quoting.comment, word=quoting.word)
 
 
 def render(kind: str, values: Values) -> dict[str, str]:
