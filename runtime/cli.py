@@ -11,9 +11,10 @@ import importlib
 import sys
 import traceback
 
-from runtime import __version__
+from runtime import __version__, launch
 from runtime.config.commands import COMMANDS, options_for
 from runtime.config.invocation import Invocation, resolve, write_config
+from runtime.core import ranks
 from runtime.core.events import Events, headless_wanted
 from runtime.errors import SpillpackError, UsageError
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) 
     debug = "--debug" in argv
     headless = headless_wanted("--headless" in argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    events = Events(command or "spillpack", headless)
+    events = Events(command or "spillpack", headless, quiet=ranks.quiet())
     try:
         parser = build_parser(extra)
         if not argv:
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) 
         command = ns.pop("command")
         events.command = command
         if command in COMMANDS:
-            return _run_job(command, ns, events, bundle)
+            return _run_job(command, ns, events, bundle, argv)
         module = {**OTHER_COMMANDS, **(extra or {})}[command][0]
         return importlib.import_module(module).main(ns, events)
     except UsageError as e:
@@ -100,8 +101,9 @@ def invocation(command: str, ns: dict, headless: bool = False, bundle=None) -> I
     return resolve(command, ns, config_path, headless=headless, debug=debug, bundle=bundle)
 
 
-def _run_job(command: str, ns: dict, events: Events, bundle=None) -> int:
+def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str] | None = None) -> int:
     emit_path = ns.pop("emit_config", None)
+    debug = bool(ns.get("debug"))
     inv = invocation(command, ns, events.headless)
     if emit_path:
         from runtime.models.ref import check_model_tags
@@ -110,6 +112,12 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None) -> int:
         write_config(inv, emit_path)
         events.say(f"wrote {emit_path}; run it with: spillpack {command} --config {emit_path}")
         return 0
+    group = launch.wanted(command, inv.options)
+    if group is not None:  # each worker runs this same command line as one rank
+        from runtime.engines.hardware import choose_engine
+
+        return launch.launch(argv or [], *group, engine=choose_engine(inv.options.get("engine"))[0], name=inv.options["name"],
+                             debug=debug)
     if bundle is not None:  # its files/... paths become absolute; readers check bundled bytes through it
         inv.bundle = bundle
         inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)

@@ -24,6 +24,12 @@ def _when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _counted(hosts: list) -> list[str]:
+    """['a', 'a', 'b'] -> ['a x2', 'b']: the ranks on each host."""
+    seen = {h: hosts.count(h) for h in hosts}
+    return [h if k == 1 else f"{h} x{k}" for h, k in seen.items()]
+
+
 def story(state: JobState) -> dict:
     invocation = state.invocation() or {}
     command = invocation.get("command")
@@ -39,8 +45,11 @@ def story(state: JobState) -> dict:
         recs = [r for r in history if r.get("writer") == w]
         first = recs[0]
         proc = {"writer": w, "host": first.get("host"), "pid": first.get("pid"), "engine": first.get("engine"),
-                "started": first["time"], "resumed_from": None, "checkpoints": [], "end": None, "hard_killed": False}
-        lines.append(f"process {n + 1}: {first.get('host')} pid {first.get('pid')}, engine {first.get('engine')}, "
+                "started": first["time"], "resumed_from": None, "checkpoints": [], "end": None, "hard_killed": False,
+                "world": first.get("world", 1), "hosts": first.get("hosts") or [first.get("host")]}
+        # A data-parallel group is one process here: its rank 0 wrote for all its ranks.
+        group = f", rank 0 of {proc['world']} on {', '.join(_counted(proc['hosts']))}" if proc["world"] > 1 else ""
+        lines.append(f"process {n + 1}: {first.get('host')} pid {first.get('pid')}, engine {first.get('engine')}{group}, "
                      f"started {_when(first['time'])}")
         done = 0  # steps or rows committed so far, as this process saw it
         for r in recs:

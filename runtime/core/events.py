@@ -26,9 +26,10 @@ def headless_wanted(flag: bool, stream=None) -> bool:
 
 
 class Events:
-    def __init__(self, command: str, headless: bool, out=None, err=None, status_path: str | None = None):
+    def __init__(self, command: str, headless: bool, out=None, err=None, status_path: str | None = None, quiet: bool = False):
         self.command = command
         self.headless = headless
+        self.quiet = quiet  # a data-parallel rank other than 0: rank 0 speaks for the group
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.engine: str | None = None
@@ -40,6 +41,8 @@ class Events:
         record = {k: None for k in COMMON_KEYS}
         record.update(event=event, time=round(time.time(), 3), command=self.command, engine=self.engine)
         record.update(fields)
+        if self.quiet:
+            return record
         if self.headless:
             self.out.write(orjson.dumps(record).decode() + "\n")
             self.out.flush()

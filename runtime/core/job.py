@@ -11,6 +11,11 @@ always uninstalls them. Its work runs in one quantum loop, the product's core pr
 
 Jobs return an `Outcome` (exit code, completeness, summary): the CLI turns it into an exit
 code, `build` reads its stages' scores from it.
+
+Under torchrun (WORLD_SIZE > 1) every rank opens the job and runs the same loop; rank 0
+alone opens the state, commits and writes the history. The stop flag and "was the quantum
+abandoned" are agreed by all ranks each step (`agree`), so a signal to any rank stops all
+of them at the same step (runtime/engines/torch/distributed.py).
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from runtime.core import ranks
 from runtime.core.events import Events
 from runtime.core.notices import NoticeWatcher, start_watcher
 from runtime.core.signals import Abandon, Preemption
 from runtime.engines.hardware import choose_engine
-from runtime.errors import EXIT_OK, EXIT_PREEMPTED
+from runtime.errors import EXIT_OK, EXIT_PREEMPTED, SpillpackError
 from runtime.paths import spillpack_home
 from runtime.state.jobstate import JobState
 from runtime.state.store import open_store
@@ -77,9 +83,11 @@ class Job:
     events: Events
     engine_name: str
     engine_reason: str
-    state: JobState
+    state: JobState | None  # None on ranks other than 0: they write nothing
     preemption: Preemption
     notices: NoticeWatcher
+    group: object | None = None  # the torch.distributed ProcessGroup when this is one rank of several
+    state_uri: str = ""
     t0: float = field(default_factory=time.monotonic)
     _progress_at: float = 0.0
 
@@ -92,25 +100,44 @@ class Job:
         o = inv.options
         engine_name, reason = choose_engine(o.get("engine"))
         events.engine = engine_name
+        group = open_group(engine_name, inv.command)
         uri = o.get("state") or default_state_uri(o["name"])
-        state = JobState(open_store(uri), identity, engine=engine_name)
-        state.open()
-        config = inv.to_config()
-        state.save_invocation({**config, "options": {**config["options"], "state": uri}})
+        state = None
+        if group is None or group.writer:
+            state = JobState(open_store(uri), identity, engine=engine_name)
+            state.open(**({"world": group.world, "hosts": group.hosts} if group else {}))
+            config = inv.to_config()
+            state.save_invocation({**config, "options": {**config["options"], "state": uri}})
         preemption = Preemption().install()
         notices = start_watcher(o.get("preemption_notice"), preemption)
-        return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices)
+        return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices, group,
+                   state.uri if state is not None else uri)
 
     def __enter__(self) -> "Job":
         return self
 
-    def __exit__(self, *exc) -> bool:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> bool:
+        self.close(failed=exc_type is not None)
         return False
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.notices.stop()
-        self.preemption.uninstall()
+        try:
+            # The other ranks wait here for rank 0's last commit; a failed rank does not wait
+            # (the launcher ends the group when it exits).
+            if self.group is not None and not failed:
+                self.group.finish()
+        finally:
+            self.preemption.uninstall()
+
+    @property
+    def writer(self) -> bool:
+        """This process writes the state and outputs (rank 0, or the only process)."""
+        return self.state is not None
+
+    def agree(self, flag: bool) -> bool:
+        """`flag` as every rank agrees on it: true when true on any rank."""
+        return self.group.any(flag) if self.group is not None else flag
 
     # -- the quantum loop ------------------------------------------------------------------
 
@@ -119,16 +146,19 @@ class Job:
         done) or preempted (the Outcome to return, after its commit)."""
         recent: list[float] = []
         while work.remaining():
-            if self.preemption.stop_requested:
+            if self.agree(self.preemption.stop_requested):
                 work.commit()
                 return self.preempted(work.done, abandoned_quantum=False)
             if stop_after is not None and work.done >= stop_after:
                 break
             t0 = time.monotonic()
+            abandoned = False
             try:
                 with self.preemption.abandonable():
                     work.quantum()
             except Abandon:
+                abandoned = True
+            if self.agree(abandoned):  # one rank's abandoned quantum is every rank's
                 work.discard()
                 work.commit()
                 return self.preempted(work.done, abandoned_quantum=True)
@@ -149,13 +179,14 @@ class Job:
     def progress(self, done: int) -> None:
         """How far this process got (steps or rows), written at most every PROGRESS_EVERY_S."""
         now = time.monotonic()
-        if now - self._progress_at >= self.PROGRESS_EVERY_S:
+        if self.writer and now - self._progress_at >= self.PROGRESS_EVERY_S:
             self._progress_at = now
             self.state.note_progress(done)
 
     def restored(self, count: int, uri: str) -> None:
         self.events.emit("restore", step=count, uri=uri)
-        self.state.log("resume", step=count, uri=uri)
+        if self.writer:
+            self.state.log("resume", step=count, uri=uri)
 
     def checkpointed(self, step: int, uri: str, seconds: float, **fields) -> None:
         self.events.emit("checkpoint", step=step, uri=uri, seconds=round(seconds, 3), **fields)
@@ -163,13 +194,31 @@ class Job:
     def preempted(self, step: int, abandoned_quantum: bool, emit: bool = True) -> Outcome:
         """`emit=False` when the event was already emitted by the stage that stopped (a build)."""
         sig = self.preemption.signal_name or "SIGTERM"
-        self.state.log("interrupted", signal=sig, step=step, abandoned_quantum=abandoned_quantum)
+        if self.writer:
+            self.state.log("interrupted", signal=sig, step=step, abandoned_quantum=abandoned_quantum)
         if emit:
             self.events.emit("preempted", step=step, signal=sig, abandoned_quantum=abandoned_quantum)
         return Outcome(EXIT_PREEMPTED)
 
     def done(self, step: int, complete: bool, **summary) -> Outcome:
-        self.state.log("done" if complete else "stopped", step=step)
+        if self.writer:
+            self.state.log("done" if complete else "stopped", step=step)
         self.events.emit("done", step=step, complete=complete, stopped_early=not complete,
                          seconds=round(self.elapsed(), 3), **summary)
         return Outcome(EXIT_OK, complete, summary)
+
+
+def open_group(engine_name: str, command: str):
+    """The torch.distributed process group when this process is one rank of several, else None."""
+    world = ranks.world_size()
+    if world <= 1:
+        return None
+    if command != "tune":
+        raise SpillpackError(f"{command} runs as one process, not {world} (only tune is data-parallel)",
+                             f"spillpack {command} ... as one process, without torchrun")
+    if engine_name == "mlx":
+        raise SpillpackError(f"the mlx engine runs one process, not {world}",
+                             "run it without torchrun or --nproc, or with --engine torch-cuda|torch-cpu")
+    from runtime.engines.torch.distributed import ProcessGroup
+
+    return ProcessGroup(engine_name)

@@ -159,3 +159,26 @@ def collate(examples: list[Example], pad_id: int) -> tuple[np.ndarray, np.ndarra
         keep = np.asarray(e.mask[1:], dtype=bool)
         labels[b, : n - 1] = np.where(keep, target, -100)
     return ids, labels
+
+
+def rank_share(micro_batches: list[list[int]], rank: int, world: int) -> list[list[int]]:
+    """The part of one optimizer step that rank `rank` of `world` computes.
+
+    The step's rows, in order, are cut into `world` contiguous runs whose lengths differ by at
+    most one row, whether or not the world size divides the micro-batches or their rows; each
+    run keeps the micro-batch boundaries, so no rank ever forwards more rows at once than
+    --batch, and a rank may get nothing (it adds zero gradient). The split only decides who
+    computes what: the step's loss is a sum over all its target tokens divided by their total,
+    so the ranks' gradients sum to the same step.
+    """
+    if world == 1:
+        return micro_batches
+    total = sum(len(mb) for mb in micro_batches)
+    lo, hi = rank * total // world, (rank + 1) * total // world
+    out, at = [], 0
+    for mb in micro_batches:
+        part = mb[max(0, lo - at):max(0, hi - at)]
+        if part:
+            out.append(part)
+        at += len(mb)
+    return out

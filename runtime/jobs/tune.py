@@ -20,7 +20,7 @@ from safetensors.numpy import save as st_save
 from safetensors.numpy import save_file as st_save_file
 
 from runtime.models.lora import LoraSpec, init_tensors, save_adapter
-from runtime.data.train import BatchOrder, collate, load_train_data
+from runtime.data.train import BatchOrder, collate, load_train_data, rank_share
 from runtime.engines import OptimSpec, get_engine
 from runtime.core.job import Job, Outcome
 from runtime.models.ref import resolve_model
@@ -62,35 +62,42 @@ def main(inv, events) -> Outcome:
     }
     with Job.open(inv, identity, events) as job:
         engine = get_engine(job.engine_name)
-        latest = job.state.latest_checkpoint()
+        latest = job.state.latest_checkpoint() if job.writer else None
+        restored, abandoned = None, False
         try:
             with job.preemption.setup():
                 session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]))
                 session.pad_id = tokenizer.pad_token_id or 0
                 if latest is not None:
                     meta = orjson.loads(job.state.read_file(latest, CHECKPOINT_META))
-                    session.load(st_load(job.state.read_file(latest, CHECKPOINT_TENSORS)), latest.step)
+                    restored = {"step": latest.step, "losses": meta["losses"], "uri": job.state.commit_uri(latest),
+                                "tensors": st_load(job.state.read_file(latest, CHECKPOINT_TENSORS))}
         except Abandon:
+            abandoned = True
+        if job.agree(abandoned):
             return job.preempted(latest.step if latest else 0, abandoned_quantum=True)
+        if job.group is not None:  # only rank 0 reads the state: the others start from its checkpoint
+            restored = job.group.from_writer(restored)
         work = TuneWork(job, engine, session, data, order, total, o, identity)
-        if latest is not None:
-            work.restore(latest.step, meta["losses"])
-            job.restored(latest.step, job.state.commit_uri(latest))
+        if restored is not None:
+            session.load(restored["tensors"], restored["step"])
+            work.restore(restored["step"], restored["losses"])
+            job.restored(restored["step"], restored["uri"])
 
         tokens_per_step = sum(len(data.examples[i].ids) for mb in order.micro_batches(0) for i in mb)
         est = engine_estimate(model_dir.config, tokens_per_step * max(0, total - work.done))
         events.emit("start", step=work.done, job=o["name"], model=a["model"], placement=f"{job.engine_name}: {job.engine_reason}",
-                    state=job.state.uri, estimated_seconds=est, steps=total,
+                    state=job.state_uri, estimated_seconds=est, steps=total,
                     message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "
                             f"({len(data.examples)} examples, {data.dropped_long} longer than --max-seq dropped) on {job.engine_name}, "
-                            f"about {_fmt(est)}; state at {job.state.uri}")
+                            f"about {_fmt(est)}; state at {job.state_uri}")
         stopped = job.run(work, o.get("stop_after"))
         if stopped is not None:
             return stopped
         losses = work.losses
         complete = work.done >= total
         summary = {"steps": work.done, "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None}
-        if complete:
+        if complete and job.writer:
             summary["adapter"] = write_outputs(job, session, spec, model_dir, a["model"], losses, o)
         return job.done(work.done, complete, **summary)
 
@@ -116,8 +123,13 @@ class TuneWork:
 
     def quantum(self) -> None:
         self._t0 = time.perf_counter()
-        batches = [collate([self.data.examples[i] for i in mb], self.session.pad_id) for mb in self.order.micro_batches(self.done)]
-        self._targets = int(sum((labels != -100).sum() for _, labels in batches))
+        step = self.order.micro_batches(self.done)
+        examples = self.data.examples
+        # Every rank divides by the whole step's target count, so the ranks' gradients sum to the step's.
+        self._targets = sum(sum(examples[i].mask[1:]) for mb in step for i in mb)
+        group = self.job.group
+        mine = rank_share(step, group.rank, group.world) if group is not None else step
+        batches = [collate([examples[i] for i in mb], self.session.pad_id) for mb in mine]
         self._result = self.session.forward_backward(batches, self._targets)
 
     def discard(self) -> None:
@@ -125,9 +137,11 @@ class TuneWork:
 
     def settle(self) -> None:
         o = self.o
+        loss_sum, tokens = self._result
+        if self.job.group is not None:
+            loss_sum, tokens = self.job.group.sum_gradients(self.session, loss_sum, tokens)
         self.session.apply(learning_rate(self.done, self.total, o["lr"], o["warmup"], o["schedule"]))
         self.done += 1
-        loss_sum, tokens = self._result
         loss = loss_sum / self._targets
         self.losses.append(loss)
         dt = time.perf_counter() - self._t0
@@ -140,7 +154,7 @@ class TuneWork:
         return self.done % self.o["ckpt_every"] == 0 or self.done == self.total
 
     def commit(self) -> None:
-        if self.done == self.committed:
+        if self.done == self.committed or not self.job.writer:
             return
         blob = st_save(self.session.export())
         meta = orjson.dumps({"step": self.done, "losses": self.losses[: self.done], "hyper": self.identity})

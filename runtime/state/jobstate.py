@@ -60,8 +60,9 @@ class JobState:
 
     # -- opening ------------------------------------------------------------------
 
-    def open(self) -> None:
-        """Claim the state for this job, or refuse if it holds another job. Writes nothing else."""
+    def open(self, **about) -> None:
+        """Claim the state for this job, or refuse if it holds another job. Writes nothing else.
+        `about`: more of this process for the history (a data-parallel group's world and hosts)."""
         self.store.check_writable()
         body = orjson.dumps(self.identity, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
         existing = self.store.read("job.json")
@@ -70,7 +71,7 @@ class JobState:
         if existing is not None:
             self._check_identity(orjson.loads(existing))
         self._next_seq = max((c.seq for c in self._commits()), default=0) + 1
-        self.log("open", engine=self.engine, pid=os.getpid())
+        self.log("open", engine=self.engine, pid=os.getpid(), **about)
 
     def _check_identity(self, theirs: dict) -> None:
         for key in sorted(set(theirs) | set(self.identity)):
