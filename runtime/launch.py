@@ -3,26 +3,22 @@ torch.distributed's own launcher (the elastic agent torchrun runs), one per node
 
 Each worker runs this very command line again; it sees WORLD_SIZE (set by the agent) and
 runs as one rank (runtime/core/job.py, runtime/engines/torch/distributed.py). The nodes
-come from the scheduler's environment, read through one small mapping per scheduler. This
-process forwards SIGTERM, SIGINT and SIGHUP to its workers (who commit and exit 75 together)
-and exits with what they exited with: 75 when every rank that stopped was preempted.
+come from the scheduler's environment, read through one small mapping per scheduler; the
+agent itself runs in runtime/engines/torch/launcher.py (torch is imported only there).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 
 from runtime.core import ranks
-from runtime.errors import EXIT_PREEMPTED, SpillpackError
+from runtime.errors import SpillpackError
 
 DEFAULT_PORT = 29500
-RENDEZVOUS_TIMEOUT_S = 900  # nodes of one job may start minutes apart (images, queues)
 
 
 @dataclass(frozen=True)
@@ -123,51 +119,12 @@ def worker_command() -> list[str]:
 
 
 def launch(argv: list[str], nproc: int, nodes: Nodes, engine: str, name: str, debug: bool = False) -> int:
-    """Run the group's processes of this node under torch's elastic agent; the exit code."""
+    """Run this node's ranks of the group; the exit code (runtime/engines/torch/launcher.py)."""
     if engine == "mlx":
         raise SpillpackError(f"the mlx engine runs one process, not {nproc * nodes.count}",
                              "run it without --nproc (and SPILLPACK_NPROC unset), or with --engine torch-cuda|torch-cpu")
     try:
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+        from runtime.engines.torch.launcher import run_group
     except ImportError:
         raise SpillpackError("--nproc needs torch with torch.distributed on this machine", "spillpack doctor")
-    if not debug:  # the one line below says what happened; the agent's own log is for --debug
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    # The agent turns SIGTERM into an exception that loses the workers' exit codes; this
-    # process forwards the signal instead and then reads their codes.
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
-    single = nodes.count == 1
-    config = LaunchConfig(
-        min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=nproc, run_id=f"spillpack-{name}",
-        rdzv_backend="c10d" if single else "static", rdzv_endpoint="127.0.0.1:0" if single else f"{nodes.addr}:{nodes.port}",
-        rdzv_configs={"timeout": RENDEZVOUS_TIMEOUT_S, **({} if single else {"rank": nodes.rank})},
-        max_restarts=0, monitor_interval=0.1,
-    )
-    previous = {sig: signal.signal(sig, _forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    try:
-        elastic_launch(config, sys.executable)(*worker_command(), *argv)
-        return 0
-    except ChildFailedError as e:
-        codes = {rank: f.exitcode for rank, f in e.failures.items()}
-        # Ranks leave together after rank 0's commit, but the agent may see one exit first and
-        # end the others with SIGTERM: that is still a preempted group.
-        if EXIT_PREEMPTED in codes.values() and set(codes.values()) <= {EXIT_PREEMPTED, -signal.SIGTERM}:
-            return EXIT_PREEMPTED
-        rank, code = next((r, c) for r, c in sorted(codes.items()) if c != EXIT_PREEMPTED)
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        raise SpillpackError(f"rank {rank} of the data-parallel group {how}, so the group stopped",
-                             "the same command again: it continues from the last commit")
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _forward(signum, frame) -> None:
-    import psutil
-
-    for child in psutil.Process().children():
-        try:
-            child.send_signal(signum)
-        except psutil.NoSuchProcess:
-            pass
+    return run_group([*worker_command(), *argv], nproc, nodes, name, debug)
