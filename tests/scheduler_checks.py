@@ -45,7 +45,7 @@ def skypilot_problems(raw: dict, parsed: dict, bundle: str) -> list[str]:
 def kubernetes_problems(doc: dict) -> list[str]:
     """Rules of the Job API that the OpenAPI schema does not express, and our own contract."""
     out = []
-    if doc.get("kind") == "PersistentVolumeClaim":
+    if doc.get("kind") in ("PersistentVolumeClaim", "Service"):
         return out
     spec = doc["spec"]
     pod = spec["template"]["spec"]

@@ -21,6 +21,7 @@ def main(path: str) -> None:
     print(json.dumps({
         "sky_version": sky.__version__,
         "name": task.name,
+        "num_nodes": task.num_nodes,
         "workdir": task.workdir,
         "setup": task.setup,
         "run": task.run,

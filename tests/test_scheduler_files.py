@@ -89,7 +89,7 @@ def test_skypilot_parser_refuses_a_bad_exit_code(sky_dir):
 # -- Kubernetes ---------------------------------------------------------------------------
 
 def k8s_docs():
-    for path in sorted((EXAMPLES / "kubernetes").glob("*.yaml")):
+    for path in sorted((EXAMPLES / "kubernetes").glob(f"{EXAMPLE.bundle}.k8s-*.yaml")):  # the group's: test_scheduler_groups.py
         for doc in yaml.safe_load_all(path.read_text()):
             yield path.name, doc
 

@@ -37,6 +37,9 @@ def _pack_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--include-weights", action="store_true", help="also bundle local model weights")
     p.add_argument("--scheduler", action="append", choices=schedulers.KINDS,
                    help="also write the job's file for skypilot, slurm or kubernetes beside the bundle (repeatable)")
+    p.add_argument("--nodes", type=int, metavar="N", help="scheduler files: a data-parallel tune on N nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, metavar="G",
+                   help="scheduler files: G data-parallel processes per node, one per GPU (CPU processes for --engine torch-cpu; default 1)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +59,7 @@ def split_args(ns: dict) -> tuple[dict, list[str]]:
     for k, v in vars(later).items():
         if k in ("platform", "scheduler"):
             merged[k] = (ns.get(k) or []) + (v or [])
-        elif v not in (None, False):
+        elif v is not None and v is not False:  # 0 is a value (refused by its own rule), not "not given"
             merged[k] = v
     return merged, rest
 
@@ -111,6 +114,7 @@ def main(ns: dict, events) -> int:
             if (out.parent / fname).exists():
                 raise UsageError(f"{out.parent / fname} already exists; pack never overwrites", f"spillpack pack ... -o {ns['output']}-2")
     inv = job_invocation(rest)
+    nodes, per_node = schedulers.check_group(ns.get("nodes"), ns.get("gpus_per_node"), inv.command, inv.options.get("engine"), kinds)
     python = _python(ns.get("python"))
     platforms = sorted({wheels.check_tag(t) for t in ns.get("platform") or [wheels.host_tag()]})
     with_torch, with_mlx = ns.get("with_torch"), bool(ns.get("with_mlx"))
@@ -153,7 +157,7 @@ def main(ns: dict, events) -> int:
 
     sched_files = []
     if kinds:
-        values = schedulers.values_for(config, out, python, bool(with_torch))
+        values = schedulers.values_for(config, out, python, bool(with_torch), nodes, per_node)
         for kind in kinds:
             sched_files += schedulers.write(kind, values, out.parent)
         if not values.s3:

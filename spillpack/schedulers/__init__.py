@@ -47,6 +47,12 @@ class Values:
     signal_lead_s: int = 120  # Slurm's warning before the time limit: enough for a step and a commit
     grace_s: int = 60  # Kubernetes: above the 30 s checkpoint promise
     volume_gb: int = 50
+    nodes: int = 1  # a data-parallel tune: nodes x gpus_per_node ranks
+    gpus_per_node: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.nodes * self.gpus_per_node > 1
 
     @property
     def s3(self) -> bool:
@@ -55,10 +61,22 @@ class Values:
 
 EXAMPLE = Values(name="mine", bundle="mine", state="s3://my-bucket/spillpack/state/mine",
                  weights="s3://my-bucket/spillpack/weights/qwen2.5-0.5b")
+# The same job as a data-parallel tune on 2 nodes of 8 GPUs (`pack --nodes 2 --gpus-per-node 8`).
+EXAMPLE_GROUP = replace(EXAMPLE, name="mine-dp", bundle="mine-dp", state="s3://my-bucket/spillpack/state/mine-dp",
+                        nodes=2, gpus_per_node=8)
+EXAMPLES_ALL = (EXAMPLE, EXAMPLE_GROUP)
 
 
-def file_names(kind: str, bundle: str) -> dict[str, str]:
-    """template -> the file written beside the bundle."""
+def file_names(kind: str, bundle: str, distributed: bool = False) -> dict[str, str]:
+    """template -> the file written beside the bundle (the same names for one process or a group)."""
+    if distributed:  # a data-parallel tune: its own templates (multi-node launch, shared volume)
+        return {
+            "skypilot": {"skypilot-dist.yaml.j2": f"{bundle}.sky.yaml"},
+            "slurm": {"slurm-dist.sbatch.j2": f"{bundle}.sbatch"},
+            "kubernetes": {"kubernetes-shared-pvc.yaml.j2": f"{bundle}.k8s-pvc.yaml",
+                           "kubernetes-indexed.yaml.j2#cuda": f"{bundle}.k8s-cuda.yaml",
+                           "kubernetes-indexed.yaml.j2#cpu": f"{bundle}.k8s-cpu.yaml"},
+        }[kind]
     return {
         "skypilot": {"skypilot.yaml.j2": f"{bundle}.sky.yaml"},
         "slurm": {"slurm.sbatch.j2": f"{bundle}.sbatch"},
@@ -82,8 +100,8 @@ _env.filters.update(sh=quoting.sh, yaml=quoting.yaml, comment=quoting.comment, w
 
 def render(kind: str, values: Values) -> dict[str, str]:
     """file name -> text, for one scheduler."""
-    names = file_names(kind, values.bundle)
-    files = {"pvc": names.get("kubernetes-pvc.yaml.j2")}
+    names = file_names(kind, values.bundle, values.distributed)
+    files = {"pvc": f"{values.bundle}.k8s-pvc.yaml" if kind == "kubernetes" else None}
     out = {}
     for key, fname in names.items():
         template, _, variant = key.partition("#")
@@ -100,7 +118,29 @@ def dns_label(text: str) -> str:
     return label or "job"
 
 
-def values_for(config: dict, bundle_dir: Path, python: str, with_torch: bool) -> Values:
+def check_group(nodes: int | None, per_node: int | None, command: str, engine: str | None, kinds: list[str]) -> tuple[int, int]:
+    """`pack --nodes N --gpus-per-node G`: (N, G), or one line saying why not."""
+    from runtime.errors import SpillpackError
+
+    nodes, per_node = 1 if nodes is None else nodes, 1 if per_node is None else per_node
+    for flag, n in (("--nodes", nodes), ("--gpus-per-node", per_node)):
+        if n < 1:
+            raise SpillpackError(f"{flag} must be positive, not {n}", f"spillpack pack ... {flag} 1")
+    if nodes * per_node == 1:
+        return nodes, per_node
+    if not kinds:
+        raise SpillpackError("--nodes and --gpus-per-node shape the scheduler files, and none was asked for",
+                             "spillpack pack ... --scheduler slurm|skypilot|kubernetes --nodes N --gpus-per-node G")
+    if command != "tune":
+        raise SpillpackError(f"{command} runs as one process; only tune is data-parallel across GPUs and nodes",
+                             f"spillpack pack {command} ... without --nodes and --gpus-per-node")
+    if engine == "mlx":
+        raise SpillpackError("the mlx engine runs one process, not a data-parallel group",
+                             "spillpack pack ... --engine torch-cuda (or torch-cpu) with --nodes/--gpus-per-node")
+    return nodes, per_node
+
+
+def values_for(config: dict, bundle_dir: Path, python: str, with_torch: bool, nodes: int = 1, gpus_per_node: int = 1) -> Values:
     """Values for a packed job: its frozen config (files/job.json) and the bundle's place."""
     import importlib.metadata
 
@@ -114,7 +154,7 @@ def values_for(config: dict, bundle_dir: Path, python: str, with_torch: bool) ->
     engine = o.get("engine") or "auto"
     gpus = () if engine == "torch-cpu" else GPUS
     return Values(name=dns_label(name), bundle=bundle_dir.name, state=state, weights=o.get("weights"),
-                  python=python, torch=torch, with_torch=with_torch, gpus=gpus)
+                  python=python, torch=torch, with_torch=with_torch, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node)
 
 
 def write(kind: str, values: Values, where: Path) -> list[Path]:
@@ -132,7 +172,8 @@ def write_examples(root: Path = EXAMPLES) -> list[Path]:
     out = []
     for kind in KINDS:
         (root / kind).mkdir(parents=True, exist_ok=True)
-        out += write(kind, EXAMPLE, root / kind)
+        for example in EXAMPLES_ALL:
+            out += write(kind, example, root / kind)
     return out
 
 
