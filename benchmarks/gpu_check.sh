@@ -71,4 +71,5 @@ PYEOF
 
 echo "== engine benchmark"
 timeout 60 $PY benchmarks/bench_engines.py --engines torch-cuda,torch-cpu --steps 3 2>/dev/null || echo "  (benchmark cut at 60 s)"
+bash benchmarks/gpu_check_dist.sh
 echo "== done in $((SECONDS - T0)) s"
