@@ -54,9 +54,9 @@ for s, what in (("two", "2 ranks"), ("cut", "2 ranks, SIGTERM, resumed as 1")):
     if d > 5e-3:
         sys.exit(f"gpu_check_dist: FAILED: {what} drifted {d:.3g} from one process")
 steps = {s: [json.loads(l) for l in open(f"{w}-{s}.jsonl") if '"step"' in l] for s in ("one", "two")}
-for s in ("one", "two"):
+for s, what in (("one", "1 process"), ("two", "2 ranks")):
     st = [e for e in steps[s] if e["event"] == "step"][1:]
-    print(f"  {s} rank(s): {sum(e['tokens_per_s'] * e['step_s'] for e in st) / sum(e['step_s'] for e in st):.0f} tokens/s")
+    print(f"  {what}: {sum(e['tokens_per_s'] * e['step_s'] for e in st) / sum(e['step_s'] for e in st):.0f} tokens/s")
 PYEOF
 echo "== all-reduce of a Qwen2.5-0.5B-shape LoRA (rank 16, q/k/v/o) on 2 ranks ($ENGINE)"
 timeout 120 $PY benchmarks/bench_dist.py --allreduce-only --engine "$ENGINE"

@@ -27,6 +27,9 @@ def run_group(command: list[str], nproc: int, nodes, name: str, debug: bool = Fa
     if not debug:  # the one line below says what happened; the agent's own log is for --debug
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Ranks that each start one thread per core wait on each other (torchrun's own default is 1).
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     single = nodes.count == 1
     config = LaunchConfig(
         min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=nproc, run_id=f"spillpack-{name}",
