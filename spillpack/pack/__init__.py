@@ -1,1 +1,1 @@
-"""`spillpack pack`: a job turned into one directory that runs anywhere with ./run.sh (ARCHITECTURE.md, The bundle)."""
+"""`spillpack pack`: a job turned into one directory that runs anywhere with ./run.sh (docs/bundle.md)."""
