@@ -16,7 +16,7 @@ from runtime.config.commands import COMMANDS, options_for
 from runtime.config.invocation import Invocation, resolve, write_config
 from runtime.core import ranks
 from runtime.core.events import Events, headless_wanted
-from runtime.errors import SpillpackError, UsageError
+from runtime.errors import SpillpackError, UsageError, redact
 
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {
@@ -125,8 +125,8 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
 
 
 def _fail(err: SpillpackError, events: Events, debug: bool) -> int:
-    if debug:
-        traceback.print_exc(file=sys.stderr)
+    if debug:  # redacted like every other line we print: an endpoint URL may carry credentials
+        sys.stderr.write(redact(traceback.format_exc()))
     if events.headless:
         events.emit("error", message=err.line())
     events.say(err.line())

@@ -1,6 +1,6 @@
 """Job configs: the one contract between the laptop and the machine that runs a job.
 
-Shape (ARCHITECTURE.md): {"spillpack_config": 1, "command", "arguments", "options"}.
+Shape (docs/config.md): {"spillpack_config": 1, "command", "arguments", "options"}.
 JSON, or TOML when the file name ends in .toml. Every default is written out, so a
 config means the same job on every machine and every later version of spillpack.
 """

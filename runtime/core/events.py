@@ -1,4 +1,4 @@
-"""The event stream of ARCHITECTURE.md, and what a person sees instead of it.
+"""The event stream of docs/events.md, and what a person sees instead of it.
 
 Headless, stdout carries one JSON object a line and nothing else. On a terminal the
 same events become a start line, a live progress line and a summary on stderr.

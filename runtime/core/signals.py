@@ -13,7 +13,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-PROMISE_S = 30.0  # ARCHITECTURE.md: checkpoint committed and exit within 30 seconds
+PROMISE_S = 30.0  # docs/events.md: checkpoint committed and exit within 30 seconds
 COMMIT_RESERVE_S = 10.0  # time kept for committing the checkpoint after the step
 
 
