@@ -207,7 +207,8 @@ def test_two_nodes_with_a_static_rendezvous(home, tmp_path, reference):
 @pytest.mark.slow
 def test_nproc_starts_the_group_sigterm_to_it_exits_75_and_resumes_at_three(home, tmp_path, reference):
     """What run.sh does with --nproc: this process runs torchrun's agent, forwards the
-    scheduler's SIGTERM to its ranks and exits 75 when they do; SPILLPACK_NPROC=3 resumes."""
+    scheduler's SIGTERM to its ranks and exits 75 when they do; `resume` with SPILLPACK_NPROC=3
+    continues it on three."""
     from jobproc import run_until
 
     args = BASE + ["--state", str(tmp_path / "s")]
@@ -217,7 +218,8 @@ def test_nproc_starts_the_group_sigterm_to_it_exits_75_and_resumes_at_three(home
     assert [e["event"] for e in events].count("preempted") == 1 and [e["event"] for e in events].count("start") == 1
     stopped = [e for e in events if e["event"] == "preempted"][0]["step"]
     assert "Traceback" not in err and "ChildFailedError" not in err
-    r = run_cli(args, env={"OMP_NUM_THREADS": "1", "SPILLPACK_NPROC": "3"})
+    # `spillpack resume STATE` starts the group too: each rank runs the same resume
+    r = run_cli(["resume", str(tmp_path / "s")], env={"OMP_NUM_THREADS": "1", "SPILLPACK_NPROC": "3"})
     assert r.returncode == 0, r.stderr[-3000:]
     ev = events_of(r.stdout)
     assert [e for e in ev if e["event"] == "restore"][0]["step"] == stopped

@@ -10,6 +10,7 @@ import importlib
 
 import orjson
 
+from runtime import launch
 from runtime.bootstrap.bundle import Bundle
 from runtime.config.commands import COMMANDS
 from runtime.config.options import SHARED
@@ -62,5 +63,20 @@ def main(ns: dict, events) -> int:
     events.command = command
     if bundle is not None:
         inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)
+    group = launch.wanted(command, inv.options)
+    if group is not None:  # SPILLPACK_NPROC or a scheduler's nodes: each rank runs this same resume
+        from runtime.engines.hardware import choose_engine
+
+        return launch.launch(_argv(ns, events.headless), *group, engine=choose_engine(inv.options.get("engine"))[0],
+                             name=inv.options["name"], debug=bool(ns.get("debug")))
     events.say(f"resuming {command} {inv.options.get('name')} from {inv.options.get('state') or 'its default state'}")
     return importlib.import_module(COMMANDS[command].module).main(inv, events).code
+
+
+def _argv(ns: dict, headless: bool) -> list[str]:
+    """This resume's command line, for the ranks a data-parallel resume starts."""
+    argv = ["resume", ns["target"]] + (["--state", ns["state"]] if ns.get("state") else [])
+    for o in PER_RUN:
+        if ns.get(o.name) is not None:
+            argv += [o.flag_name, str(ns[o.name])]
+    return argv + ["--headless"] * headless + ["--debug"] * bool(ns.get("debug"))
