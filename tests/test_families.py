@@ -137,7 +137,16 @@ def test_greedy_generation_matches_transformers_generate(family, name):
 def lora_targets(md):
     from runtime.models.arch import architecture
 
-    return tuple(sorted({k.split(".")[-1] for k in architecture(md.config).args.from_dict(md.config).lora_linears()}))
+    args = architecture(md.config).args.from_dict(md.config)
+    return tuple(sorted({k.split(".")[-1] for i in range(args.num_hidden_layers) for k in args.lora_linears(i)}))
+
+
+def peft_targets(md):
+    """What PEFT can wrap in transformers' model: transformers 5 keeps Qwen3-MoE's experts as
+    3-D parameters, not linears, so there the attention projections only."""
+    if md.arch == "qwen3_moe":
+        return ("k_proj", "o_proj", "q_proj", "v_proj")
+    return lora_targets(md)
 
 
 def random_lora(config, spec, seed=3):
@@ -157,7 +166,7 @@ def train_batch(seed=0):
 @pytest.mark.parametrize("name", NAMES)
 def test_four_step_adapter_loads_in_peft_with_the_same_logits(family, name, tmp_path):
     md, hf = family(name)
-    targets = lora_targets(md)
+    targets = peft_targets(md)
     if name == "phi3":
         assert targets == ("down_proj", "gate_up_proj", "o_proj", "qkv_proj")  # the fused names PEFT uses
     spec = LoraSpec(rank=4, alpha=8.0, targets=targets)
@@ -183,7 +192,7 @@ def test_four_step_adapter_loads_in_peft_with_the_same_logits(family, name, tmp_
 @pytest.mark.parametrize("name", NAMES)
 def test_lora_gradients_match_peft(family, name):
     md, hf = family(name)
-    spec = LoraSpec(rank=4, alpha=8.0, targets=lora_targets(md))
+    spec = LoraSpec(rank=4, alpha=8.0, targets=peft_targets(md))
     tensors = random_lora(md.config, spec)
     ids, labels = train_batch(1)
     n = int((labels != -100).sum())
@@ -235,14 +244,43 @@ def test_qwen3_moe_router_choices_match_transformers(family):
     assert all(np.array_equal(a, b.numpy()) for a, b in zip(mlx_choices, theirs))
 
 
-def test_moe_expert_targets_are_refused_in_one_line(family):
-    md, _ = family("qwen3_moe")
-    from runtime.errors import SpillpackError
-
-    with pytest.raises(SpillpackError) as e:
-        init_tensors(md.config, LoraSpec(4, 8.0, ("q_proj", "gate_proj")), 0)
-    assert e.value.line() == ("spillpack: unknown LoRA target 'gate_proj' for qwen3_moe. "
-                              "Try: --targets with some of k_proj,o_proj,q_proj,v_proj")
+def test_moe_expert_lora_equals_its_merge_into_transformers_experts(family):
+    """LoRA on Qwen3-MoE's experts (and attention): spillpack's adapted model gives the logits of
+    transformers' model with B @ A * scale added to its expert tensors, on torch and MLX."""
+    md, hf = family("qwen3_moe")
+    assert lora_targets(md) == ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    spec = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "gate_proj", "up_proj", "down_proj"))
+    tensors = random_lora(md.config, spec)
+    assert "model.layers.1.mlp.experts.3.down_proj.lora_B.weight" in tensors
+    ids = torch.tensor(prompts_of([13, 13], seed=7))
+    merged = {k: p.detach().clone() for k, p in hf.state_dict().items()}
+    inter = md.config["moe_intermediate_size"]
+    for name in {k.rsplit(".lora_", 1)[0] for k in tensors}:
+        delta = spec.scale * torch.from_numpy(tensors[f"{name}.lora_B.weight"] @ tensors[f"{name}.lora_A.weight"])
+        if ".experts." not in name:
+            merged[f"{name}.weight"] += delta
+            continue
+        prefix, e, proj = name.rsplit(".", 2)[0], int(name.split(".")[-2]), name.split(".")[-1]  # (...mlp.experts, E, proj)
+        if proj == "down_proj":
+            merged[f"{prefix}.down_proj"][e] += delta
+        else:  # transformers 5 fuses gate and up: gate rows first
+            rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+            merged[f"{prefix}.gate_up_proj"][e, rows] += delta
+    original = {k: p.detach().clone() for k, p in hf.state_dict().items()}
+    hf.load_state_dict(merged)
+    try:
+        with torch.no_grad():
+            want = hf(input_ids=ids).logits
+    finally:
+        hf.load_state_dict(original)
+    with torch.no_grad():
+        plain = hf(input_ids=ids).logits
+    assert (plain - want).abs().max().item() > 1e-3  # the expert adapters really change the model
+    with torch.no_grad():
+        got = get_engine("torch-cpu").load_model(md, (tensors, spec))(ids)
+    assert (got - want).abs().max().item() < TOL
+    mlx_got = np.array(get_engine("mlx").load_model(md, (tensors, spec))(mx.array(ids.numpy())))
+    np.testing.assert_allclose(mlx_got, want.numpy(), atol=TOL, rtol=0)
 
 
 def test_gemma3_image_text_checkpoint_loads_its_language_model(tmp_path, tiny_home, monkeypatch):

@@ -57,8 +57,8 @@ class ModelArgs:
         """(theta, scaling) of the rotary embedding a layer of this type uses."""
         return self.rope_theta, self.rope_scaling
 
-    def lora_linears(self) -> dict[str, tuple[int, int]]:
-        """Each layer's linears a LoRA may target: module path within the layer -> (in, out)."""
+    def lora_linears(self, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """A layer's linears a LoRA may target: module path within the layer -> (in, out)."""
         d, hd, inter = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
         return {

@@ -86,10 +86,18 @@ class Qwen3MoeArgs(Qwen3Args):
     def is_sparse(self, layer: int) -> bool:
         return (layer not in (self.mlp_only_layers or [])) and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
 
-    def lora_linears(self) -> dict[str, tuple[int, int]]:
-        # Experts are one (experts, out, in) tensor per projection in transformers' model, not
-        # linears: LoRA adapts the attention projections (and dense layers' MLPs, if any).
-        return {k: v for k, v in super().lora_linears().items() if k.startswith("self_attn.")}
+    def lora_linears(self, layer: int = 0) -> dict[str, tuple[int, int]]:
+        """Attention as Qwen3's; on a sparse layer each expert's gate/up/down projection
+        (`mlp.experts.E.gate_proj`, the Hub's names), on a dense one the MLP's."""
+        linears = super().lora_linears(layer)
+        if not self.is_sparse(layer):
+            return linears
+        d, inter = self.hidden_size, self.moe_intermediate_size
+        linears = {k: v for k, v in linears.items() if k.startswith("self_attn.")}
+        for e in range(self.num_experts):
+            linears.update({f"mlp.experts.{e}.gate_proj": (d, inter), f"mlp.experts.{e}.up_proj": (d, inter),
+                            f"mlp.experts.{e}.down_proj": (inter, d)})
+        return linears
 
 
 @dataclass
@@ -104,7 +112,7 @@ class Phi3Args(ModelArgs):
         args.layer_types = [SLIDING if args.sliding_window else FULL] * args.num_hidden_layers
         return args
 
-    def lora_linears(self) -> dict[str, tuple[int, int]]:
+    def lora_linears(self, layer: int = 0) -> dict[str, tuple[int, int]]:
         d, hd, inter = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
         return {"self_attn.qkv_proj": (d, q + 2 * kv), "self_attn.o_proj": (q, d),

@@ -40,17 +40,18 @@ class LoraSpec:
 def target_linears(config: dict, targets: tuple[str, ...]) -> dict[str, tuple[int, int]]:
     """HF module name -> (in_features, out_features) for each adapted linear layer.
 
-    The architecture's arguments list its linears (runtime.models.args.lora_linears): Phi-3's
-    fused qkv_proj and gate_up_proj, Qwen3-MoE's attention projections, the others' seven.
+    The architecture's arguments list each layer's linears (runtime.models.args.lora_linears):
+    Phi-3's fused qkv_proj and gate_up_proj, Qwen3-MoE's attention and experts, the others' seven.
     """
-    shapes = architecture(config).args.from_dict(config).lora_linears()
-    known = {k.split(".")[-1] for k in shapes}
+    args = architecture(config).args.from_dict(config)
+    layers = [args.lora_linears(layer) for layer in range(args.num_hidden_layers)]
+    known = {k.split(".")[-1] for shapes in layers for k in shapes}
     unknown = [t for t in targets if t not in known]
     if unknown:
         raise SpillpackError(f"unknown LoRA target {unknown[0]!r} for {config.get('model_type')}",
                              f"--targets with some of {','.join(sorted(known))}")
     out = {}
-    for layer in range(config["num_hidden_layers"]):
+    for layer, shapes in enumerate(layers):
         for name, shape in shapes.items():
             if name.split(".")[-1] in targets:
                 out[f"model.layers.{layer}.{name}"] = shape
