@@ -371,3 +371,21 @@ def test_tune_resumes_on_the_other_engine_through_the_cli(family, name, home, tm
     for step, loss in {**first, **rest}.items():
         assert loss == pytest.approx(ref[step], abs=1e-4), (step, loss, ref[step])
     assert (tmp_path / "s" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_phi3_takes_the_unfused_target_names(family, tmp_path):
+    """The same --targets on every family: q,k,v (and gate,up) adapt Phi-3's fused linears, and
+    the saved adapter names those for PEFT; a part of a fused linear alone is refused."""
+    from runtime.errors import SpillpackError
+
+    md, _ = family("phi3")
+    spec = LoraSpec(4, 8.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    tensors = init_tensors(md.config, spec, 0)
+    assert {k.split(".")[-3] for k in tensors} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    save_adapter(tmp_path / "a", tensors, spec, str(md.path), md.config["num_hidden_layers"])
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["target_modules"] == [
+        "down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    with pytest.raises(SpillpackError) as e:
+        init_tensors(md.config, LoraSpec(4, 8.0, ("q_proj", "v_proj")), 0)
+    assert e.value.line() == ("spillpack: phi3 fuses q_proj, k_proj, v_proj into qkv_proj; --targets names only q_proj, "
+                              "v_proj. Try: --targets with qkv_proj (or all of q_proj,k_proj,v_proj)")

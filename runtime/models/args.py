@@ -57,6 +57,10 @@ class ModelArgs:
         """(theta, scaling) of the rotary embedding a layer of this type uses."""
         return self.rope_theta, self.rope_scaling
 
+    # A fused linear -> the unfused names it stands for (Phi-3's qkv_proj): --targets naming all
+    # of them adapts the fused one, so one command line fits every family.
+    lora_fused = {}
+
     def lora_linears(self, layer: int = 0) -> dict[str, tuple[int, int]]:
         """A layer's linears a LoRA may target: module path within the layer -> (in, out)."""
         d, hd, inter = self.hidden_size, self.head_dim, self.intermediate_size

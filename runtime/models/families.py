@@ -105,6 +105,7 @@ class Phi3Args(ModelArgs):
     """Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE."""
 
     rms_norm_eps: float = 1e-5
+    lora_fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     @classmethod
     def from_dict(cls, config: dict) -> "Phi3Args":

@@ -44,6 +44,7 @@ def target_linears(config: dict, targets: tuple[str, ...]) -> dict[str, tuple[in
     Phi-3's fused qkv_proj and gate_up_proj, Qwen3-MoE's attention and experts, the others' seven.
     """
     args = architecture(config).args.from_dict(config)
+    targets = fuse_targets(args, targets, config.get("model_type"))
     layers = [args.lora_linears(layer) for layer in range(args.num_hidden_layers)]
     known = {k.split(".")[-1] for shapes in layers for k in shapes}
     unknown = [t for t in targets if t not in known]
@@ -56,6 +57,21 @@ def target_linears(config: dict, targets: tuple[str, ...]) -> dict[str, tuple[in
             if name.split(".")[-1] in targets:
                 out[f"model.layers.{layer}.{name}"] = shape
     return out
+
+
+def fuse_targets(args, targets: tuple[str, ...], model_type) -> tuple[str, ...]:
+    """Unfused names that a fused linear stands for, all of them named, become the fused one
+    (q_proj,k_proj,v_proj -> qkv_proj on Phi-3); some of them only is refused: the fused linear
+    cannot adapt a part of itself."""
+    out = list(targets)
+    for fused, parts in args.lora_fused.items():
+        named = [t for t in parts if t in out]
+        if named and len(named) < len(parts):
+            raise SpillpackError(f"{model_type} fuses {', '.join(parts)} into {fused}; --targets names only {', '.join(named)}",
+                                 f"--targets with {fused} (or all of {','.join(parts)})")
+        if named:
+            out = [t for t in out if t not in parts] + [fused]
+    return tuple(out)
 
 
 def init_tensors(config: dict, spec: LoraSpec, seed: int) -> dict[str, np.ndarray]:
@@ -83,7 +99,8 @@ def save_adapter(directory: Path, tensors: dict[str, np.ndarray], spec: LoraSpec
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
-        "target_modules": sorted(spec.targets),
+        # The modules really adapted (a fused name where --targets named its parts), for PEFT to find.
+        "target_modules": sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in tensors}),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
