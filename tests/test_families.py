@@ -389,3 +389,22 @@ def test_phi3_takes_the_unfused_target_names(family, tmp_path):
         init_tensors(md.config, LoraSpec(4, 8.0, ("q_proj", "v_proj")), 0)
     assert e.value.line() == ("spillpack: phi3 fuses q_proj, k_proj, v_proj into qkv_proj; --targets names only q_proj, "
                               "v_proj. Try: --targets with qkv_proj (or all of q_proj,k_proj,v_proj)")
+
+
+def test_phi3_longrope_matches_transformers_below_and_past_the_original_context(tmp_path, tiny_home, monkeypatch):
+    """Phi-3.5/Phi-4-mini's LongRoPE (short and long factors, cos/sin scaled by the attention
+    factor) with partial rotary: a forward within the original context and one past it."""
+    monkeypatch.setenv("SPILLPACK_HOME", str(tiny_home))
+    rotary = int(16 * 0.75) // 2  # factors per rotary frequency
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(rotary)], "long_factor": [2.0 + 0.5 * i for i in range(rotary)]}
+    path, hf = make_family("phi3", tmp_path / "phi", max_position_embeddings=64, original_max_position_embeddings=16,
+                           rope_parameters=rope)
+    md = resolve_model(str(path))
+    torch_model, mlx_model = torch_load(md), get_engine("mlx").load_model(md)
+    for n in (12, 24):  # 24 > 16: the long factors
+        ids = prompts_of([n], seed=n)
+        want = hf_alone(hf, ids[0])
+        with torch.no_grad():
+            np.testing.assert_allclose(torch_model(torch.tensor(ids))[0].numpy(), want, atol=TOL, rtol=0, err_msg=f"torch {n}")
+        np.testing.assert_allclose(np.array(mlx_model(mx.array(ids)))[0], want, atol=TOL, rtol=0, err_msg=f"mlx {n}")
