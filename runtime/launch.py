@@ -63,6 +63,10 @@ def _slurm(env) -> Nodes | None:
     if "SLURM_STEP_NUM_NODES" not in env or "SLURM_NODEID" not in env:
         return None
     count = _int(env, "SLURM_STEP_NUM_NODES")
+    tasks = _int(env, "SLURM_STEP_NUM_TASKS", count)
+    if tasks != count:  # each task would start its own group on the one state
+        raise SpillpackError(f"this srun step runs {tasks} tasks on {count} node(s); spillpack wants one task per node, "
+                             f"whose launcher starts the node's ranks", "srun --ntasks-per-node=1 ... with SPILLPACK_NPROC=<GPUs per node>")
     addr = env.get("SPILLPACK_MASTER_ADDR") or (_first_host(env.get("SLURM_STEP_NODELIST", "")) if count > 1 else "127.0.0.1")
     return Nodes(count, _int(env, "SLURM_NODEID"), addr, _int(env, "SPILLPACK_MASTER_PORT", DEFAULT_PORT), "Slurm")
 

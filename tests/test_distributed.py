@@ -257,6 +257,14 @@ def test_nodes_from_a_schedulers_environment(env, nodes):
     assert (n.count, n.rank, n.addr) == nodes and n.port == 29500
 
 
+def test_an_srun_step_of_several_tasks_per_node_is_one_line():
+    from runtime.errors import SpillpackError
+    from runtime.launch import nodes_from_env
+
+    with pytest.raises(SpillpackError, match="one task per node"):
+        nodes_from_env({"SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "0"})
+
+
 def test_a_node_rank_out_of_range_is_one_line():
     from runtime.errors import SpillpackError
     from runtime.launch import nodes_from_env
