@@ -81,6 +81,33 @@ def kubernetes_problems(doc: dict) -> list[str]:
             out.append("a DisruptionTarget (eviction, preemption) is not ignored")
     elif pod.get("restartPolicy") != "OnFailure":
         out.append("without a podFailurePolicy, exit 75 needs restartPolicy OnFailure to run again")
+    if "spillpack/shards" in (doc.get("metadata") or {}).get("labels", {}):  # a sharded row job (a group has its own rules)
+        out += _indexed_problems(spec)
+    elif spec.get("completionMode") != "Indexed" and (
+            "backoffLimitPerIndex" in spec or any(r.get("action") == "FailIndex" for r in (pfp or {}).get("rules", []))):
+        out.append("backoffLimitPerIndex and FailIndex need completionMode Indexed")
     if pod.get("terminationGracePeriodSeconds", 30) <= 30:
         out.append("terminationGracePeriodSeconds must be above the 30 s checkpoint promise")
+    return out
+
+
+def _indexed_problems(spec: dict) -> list[str]:
+    """A sharded row job as an Indexed Job: every shard a pod at once, retried per index."""
+    out = []
+    if spec.get("completionMode") != "Indexed":
+        return ["a sharded row job needs completionMode Indexed: one pod per shard, with its JOB_COMPLETION_INDEX"]
+    n = spec.get("completions")
+    if not isinstance(n, int) or n < 1:
+        out.append("an Indexed Job needs completions (the shard count)")
+    if spec.get("parallelism", 1) != n:
+        out.append(f"parallelism {spec.get('parallelism', 1)} is not completions {n}: some shards would wait for others")
+    if "backoffLimitPerIndex" not in spec:
+        out.append("no backoffLimitPerIndex: one shard's real errors would fail every shard")
+    if "backoffLimit" in spec:
+        out.append("backoffLimit with backoffLimitPerIndex counts every index's failures together")
+    if any(r.get("action") == "FailJob" for r in (spec.get("podFailurePolicy") or {}).get("rules", [])):
+        out.append("FailJob ends every shard for one index's failure: use FailIndex")
+    for c in spec["template"]["spec"]["containers"]:
+        if any(e.get("name") in ("JOB_COMPLETION_INDEX", "SPILLPACK_SHARD") for e in c.get("env", [])):
+            out.append(f"container {c['name']} sets its own shard index instead of the Job's")
     return out

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spillpack.schedulers import EXAMPLE, EXAMPLES, KINDS, render
+from spillpack.schedulers import EXAMPLE, EXAMPLE_SHARDED, EXAMPLES, KINDS, render
 from tests.conftest import REPO
 from tests.scheduler_checks import kubernetes_problems, skypilot_problems
 
@@ -23,9 +23,10 @@ K8S_VERSIONS = ("1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0")  # what the ex
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_examples_are_the_templates_rendered(kind):
-    for fname, text in render(kind, EXAMPLE).items():
-        assert (EXAMPLES / kind / fname).read_text() == text, f"{fname}: run python -m spillpack.schedulers"
-        assert (EXAMPLES / kind / "README.md").exists()
+    for values in (EXAMPLE, EXAMPLE_SHARDED):  # the group's: test_scheduler_groups.py
+        for fname, text in render(kind, values).items():
+            assert (EXAMPLES / kind / fname).read_text() == text, f"{fname}: run python -m spillpack.schedulers"
+            assert (EXAMPLES / kind / "README.md").exists()
 
 
 # -- SkyPilot -----------------------------------------------------------------------------
@@ -38,11 +39,13 @@ def sky_python() -> str | None:
     return None
 
 
-def sky_parse(path: Path) -> dict:
+def sky_parse(path: Path, *env: str) -> dict:
+    """`env`: K=V given at launch, as `sky jobs launch --env K=V` does."""
     py = sky_python()
     if py is None:
         pytest.skip("skypilot is not installed: make setup builds .venv-sky (or SPILLPACK_SKY_PYTHON=python-with-skypilot)")
-    r = subprocess.run([py, str(REPO / "tests/sky_parse.py"), str(path)], capture_output=True, text=True, timeout=300)
+    args = [a for kv in env for a in ("--env", kv)]
+    r = subprocess.run([py, str(REPO / "tests/sky_parse.py"), str(path), *args], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise AssertionError(f"sky.Task.from_yaml refused {path.name}:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.splitlines()[-1])
@@ -52,6 +55,22 @@ def sky_parse(path: Path) -> dict:
 def sky_dir(tmp_path):
     (tmp_path / EXAMPLE.bundle).mkdir()  # the workdir must exist where one launches
     return tmp_path
+
+
+def test_skypilot_sharded_example_is_one_managed_job_per_shard(tmp_path):
+    """The fan-out chosen for SkyPilot: N managed jobs, each recovering on its own, each told its
+    shard by --env SPILLPACK_SHARD=I at launch; a launch that forgets it is refused by SkyPilot."""
+    (tmp_path / EXAMPLE_SHARDED.bundle).mkdir()
+    src = EXAMPLES / "skypilot" / f"{EXAMPLE_SHARDED.bundle}.sky.yaml"
+    shutil.copy(src, tmp_path / src.name)
+    with pytest.raises(AssertionError, match="SPILLPACK_SHARD"):
+        sky_parse(tmp_path / src.name)
+    parsed = sky_parse(tmp_path / src.name, "SPILLPACK_SHARD=3")
+    assert parsed["envs"]["SPILLPACK_SHARD"] == "3"
+    raw = yaml.safe_load(src.read_text())
+    assert skypilot_problems(raw, parsed, EXAMPLE_SHARDED.bundle) == []
+    text = src.read_text()
+    assert "for i in $(seq 0 3)" in text and "--env SPILLPACK_SHARD=$i" in text and "-n spillpack-rows-$i" in text
 
 
 def test_skypilot_example_parses_and_keeps_the_contract(sky_dir):
@@ -114,6 +133,42 @@ def test_kubernetes_examples_keep_the_contract():
     assert cuda["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "nvidia.com/gpu" not in cpu["resources"]["limits"]
     assert {"name": "SPILLPACK_ENGINE", "value": "torch-cpu"} in cpu["env"]
+
+
+def sharded_docs():
+    for path in sorted((EXAMPLES / "kubernetes").glob(f"{EXAMPLE_SHARDED.bundle}.k8s-*.yaml")):
+        yield path.name, yaml.safe_load(path.read_text())
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_kubernetes_sharded_examples_validate_strictly_and_keep_the_contract(version):
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (pip install '.[test]')")
+    seen = {}
+    for name, doc in sharded_docs():
+        kv.validate(doc, version, strict=True)
+        assert kubernetes_problems(doc) == [], name
+        seen[name] = doc
+    assert len(seen) == 3
+    for variant in ("cuda", "cpu"):
+        spec = seen[f"{EXAMPLE_SHARDED.bundle}.k8s-{variant}.yaml"]["spec"]
+        assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == EXAMPLE_SHARDED.shards
+    assert seen[f"{EXAMPLE_SHARDED.bundle}.k8s-pvc.yaml"]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+@pytest.mark.parametrize("mutate,problem", [
+    (lambda s: s.update(parallelism=1), "parallelism 1 is not completions 4"),
+    (lambda s: s.pop("backoffLimitPerIndex"), "no backoffLimitPerIndex"),
+    (lambda s: s["podFailurePolicy"]["rules"][2].update(action="FailJob"), "use FailIndex"),
+    (lambda s: s["template"]["spec"]["containers"][0]["env"].append({"name": "JOB_COMPLETION_INDEX", "value": "0"}),
+     "sets its own shard index"),
+    (lambda s: s.pop("completionMode"), "needs completionMode Indexed"),
+])
+def test_kubernetes_checks_catch_what_the_schema_lets_through_in_a_sharded_job(mutate, problem):
+    kv = pytest.importorskip("kubernetes_validate")
+    doc = copy.deepcopy(yaml.safe_load((EXAMPLES / "kubernetes" / f"{EXAMPLE_SHARDED.bundle}.k8s-cuda.yaml").read_text()))
+    mutate(doc["spec"])
+    kv.validate(doc, K8S_VERSIONS[0], strict=True)
+    assert any(problem in p for p in kubernetes_problems(doc))
 
 
 def _job():

@@ -21,8 +21,9 @@ from runtime.state.store import open_store
 
 
 # How this process runs, not what the job is: never replayed from the saved config, and
-# taken from resume's own command line instead (docs/commands.md, resume).
-PER_RUN = [o for o in SHARED if o.per_run]
+# taken from resume's own command line instead (docs/commands.md, resume). A row job's --shard
+# is one of them: `resume STATE --shard I` continues shard I, `resume STATE` only merges.
+PER_RUN = list({o.name: o for o in [*SHARED, *(o for c in COMMANDS.values() for o in c.options)] if o.per_run}.values())
 
 
 def add_arguments(parser) -> None:

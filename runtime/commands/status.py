@@ -9,6 +9,7 @@ repeated, and its progress hint (state.note_progress) says about how much.
 
 import datetime
 
+from runtime.commands import shard_status
 from runtime.errors import SpillpackError
 from runtime.state.jobstate import JobState
 from runtime.state.store import open_store
@@ -30,9 +31,9 @@ def _counted(hosts: list) -> list[str]:
     return [h if k == 1 else f"{h} x{k}" for h, k in seen.items()]
 
 
-def story(state: JobState) -> dict:
+def story(state: JobState, command: str | None = None) -> dict:
     invocation = state.invocation() or {}
-    command = invocation.get("command")
+    command = command or invocation.get("command")
     unit = "step" if command == "tune" else "row" if command in ("run", "eval", "distill") else "step"
     history = state.history()
     progress = state.progress()
@@ -85,15 +86,25 @@ def story(state: JobState) -> dict:
             "processes": processes, "story": lines}
 
 
+def _told(store) -> dict:
+    state = JobState(store, {})
+    told = story(state)
+    sharded = shard_status.tell(state, story)  # a row job split with --shards: each shard and the merge
+    if sharded:
+        # The job's own history holds only merges: the shards' stories tell its processes.
+        told = {**told, "shards": sharded["shards"], "merge": sharded["merge"], "story": sharded["story"]}
+    return told
+
+
 def main(ns: dict, events) -> int:
     store = open_store(ns["uri"])
     if store.read("job.json") is None:
         raise SpillpackError(f"{ns['uri']} holds no job state (no job.json)", "spillpack status <the job's --state URI>")
-    told = [story(JobState(store, {}))]
+    told = [_told(store)]
     for key in sorted({k.split("/")[1] for k in store.list("stages/") if k.count("/") >= 2}):
         sub = open_store(store.child_uri(f"stages/{key}"))
         if sub.read("job.json") is not None:
-            told.append({**story(JobState(sub, {})), "stage": key})
+            told.append({**_told(sub), "stage": key})
     if events.headless:
         events.emit("status", **told[0], stages=told[1:])
         return 0

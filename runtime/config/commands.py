@@ -57,6 +57,14 @@ def _check_tune(v: dict) -> None:
 def _check_build(v: dict) -> None:
     _check_targets("build")(v)
     stop_point(v.get("stop_after"))
+    _check_shard("build", v)
+
+
+def _check_shard(command: str, v: dict) -> None:
+    if v.get("shard") is not None and v["shard"] >= v["shards"]:
+        raise SpillpackError(f"--shard {v['shard']} is out of range: this job has {v['shards']} shard"
+                             f"{'s' if v['shards'] != 1 else ''}, numbered 0 to {v['shards'] - 1}",
+                             f"spillpack {command} ... --shards {v['shards']} --shard {v['shards'] - 1}")
 
 
 def stop_point(value) -> tuple[str | None, int | None]:
@@ -70,8 +78,17 @@ def stop_point(value) -> tuple[str | None, int | None]:
     return stage, int(n) if n else None
 
 
+def _check_rows(command: str):
+    counted = _check_counted_stop(command, "row")
+
+    def check(v: dict) -> None:
+        counted(v)
+        _check_shard(command, v)
+    return check
+
+
 def _rows(name: str, help_: str, options, main_input: str) -> JobCommand:
-    return JobCommand(name, help_, options, f"runtime.jobs.{name}", main_input, check=_check_counted_stop(name, "row"))
+    return JobCommand(name, help_, options, f"runtime.jobs.{name}", main_input, check=_check_rows(name))
 
 
 COMMANDS = {

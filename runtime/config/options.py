@@ -46,7 +46,7 @@ class Opt:
         """A valid value to suggest in an error line."""
         if self.default is not None and not self.flag:
             return str(self.default)
-        return {"stop_after": "10", "steps": "100", "epochs": "1", "alpha": "32"}.get(self.name, "...")
+        return {"stop_after": "10", "steps": "100", "epochs": "1", "alpha": "32", "shard": "0"}.get(self.name, "...")
 
 
 def _stop_after(text: str) -> int | str:
@@ -158,6 +158,15 @@ TUNE = (
         help="data-parallel processes on this machine, one per GPU (default: SPILLPACK_NPROC, else 1); started through torchrun's launcher"),
 )
 
+# Sharding (docs/commands.md, "Shards"): N is part of the job, I is which part this process does.
+SHARDING = (
+    Opt("shards", 1, int, help="split the rows into N contiguous shards, one worker each; the last to finish merges", min=1,
+        metavar="N"),
+    Opt("shard", None, int, per_run=True, min=0, metavar="I",
+        help="the shard this process does (default: SPILLPACK_SHARD, else the scheduler's array index: SLURM_ARRAY_TASK_ID "
+             "- SLURM_ARRAY_TASK_MIN, JOB_COMPLETION_INDEX, SKYPILOT_NODE_RANK); none: only complete the merge"),
+)
+
 _ROW_COMMON = (
     Opt("adapter", None, help="a LoRA adapter directory or URI to apply", metavar="URI"),
     Opt("out", None, help="also write the results file here", metavar="FILE"),
@@ -168,6 +177,7 @@ _ROW_COMMON = (
     Opt("batch", 8, int, help="rows generated at once", min=1),
     Opt("commit_rows", 32, int, help="commit finished rows at least every N rows", min=1),
     Opt("commit_seconds", 30.0, float, help="... and at least every T seconds", above=0),
+    *SHARDING,
 )
 
 RUN = (
@@ -203,4 +213,6 @@ BUILD = (
     Opt("warmup", 20, int, help="warmup steps", min=0),
     Opt("targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", help="comma-separated linear layers to adapt"),
     Opt("seed", 0, int, help="seed", min=0),
+    # eval and distill stages split into N shards; tune runs in shard 0 (runtime/jobs/build.py)
+    *SHARDING,
 )

@@ -99,6 +99,9 @@ class Events:
                 self.say(f"[{r['stage']}] {r.get('message') or 'starting'}")
             elif r.get("status") == "scored":
                 self.say(f"[{r['stage']}] done: {r.get('score')}")
+        elif ev == "merged":
+            self.say(f"merged the output of {r.get('shards')} shards ({r['step']} rows) into {r.get('out') or r.get('uri')} "
+                     f"in {r['seconds']:.2f}s")
         elif ev == "done":
             self.say(_summary(r))
         elif ev == "error":
@@ -114,7 +117,7 @@ class Events:
         s = self._status
         ev = r["event"]
         s["phase"] = {"start": "running", "restore": "running", "step": "running", "row": "running",
-                      "checkpoint": "running", "preempted": "preempted", "done": "done", "error": "error"}.get(ev, s["phase"])
+                      "checkpoint": "running", "merged": "running", "preempted": "preempted", "done": "done", "error": "error"}.get(ev, s["phase"])
         s["command"] = r["command"]  # a `resume` learns its job's command after the file was started
         s["engine"] = r["engine"]
         s["updated"] = r["time"]
@@ -123,6 +126,8 @@ class Events:
                 s[key] = r[key]
         if r.get("total") is not None:
             s["total"] = r["total"]
+        if ev == "start" and r.get("shards") is not None:  # a shard's process: which part of the job it does
+            s["shard"], s["shards"] = r.get("shard"), r["shards"]
         if ev in ("row", "restore") and self.command in ("run", "eval", "distill"):
             s["rows_done"] = r["step"]
         if r.get("steps") is not None and ev in ("step", "start"):

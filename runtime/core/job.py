@@ -88,30 +88,38 @@ class Job:
     notices: NoticeWatcher
     group: object | None = None  # the torch.distributed ProcessGroup when this is one rank of several
     state_uri: str = ""
+    root: JobState | None = None  # a shard's process: the whole job's state (self.state is its shard's)
     t0: float = field(default_factory=time.monotonic)
     _progress_at: float = 0.0
 
     PROGRESS_EVERY_S = 1.0
 
     @classmethod
-    def open(cls, inv, identity: dict, events: Events) -> "Job":
+    def open(cls, inv, identity: dict, events: Events, shard: dict | None = None) -> "Job":
         """Open the job that `inv` (a resolved Invocation) describes. The resolved config is kept
-        in the state so `spillpack resume STATE` can run the job again from its state alone."""
+        in the state so `spillpack resume STATE` can run the job again from its state alone.
+        `shard`: the identity of the shard this process does (its "shard" key is the index);
+        the job's state is claimed first, so a shard of another job is refused before anything
+        is written, and the process works in the shard's state (runtime/jobs/shards.py)."""
         o = inv.options
         engine_name, reason = choose_engine(o.get("engine"))
         events.engine = engine_name
         group = open_group(engine_name, inv.command)
         uri = o.get("state") or default_state_uri(o["name"])
-        state = None
+        state = root = None
         if group is None or group.writer:
-            state = JobState(open_store(uri), identity, engine=engine_name)
-            state.open(**({"world": group.world, "hosts": group.hosts} if group else {}))
+            root = JobState(open_store(uri), identity, engine=engine_name)
+            root.open(log=shard is None, **({"world": group.world, "hosts": group.hosts} if group else {}))
+            state = root
+            if shard is not None:
+                state = root.shard(shard["shard"], shard)
+                state.open()
             config = inv.to_config()
-            state.save_invocation({**config, "options": {**config["options"], "state": uri}})
+            root.save_invocation({**config, "options": {**config["options"], "state": uri}})
         preemption = Preemption().install()
         notices = start_watcher(o.get("preemption_notice"), preemption)
         return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices, group,
-                   state.uri if state is not None else uri)
+                   root.uri if root is not None else uri, root=root if shard is not None else None)
 
     def __enter__(self) -> "Job":
         return self

@@ -6,9 +6,18 @@ Each stage is the ordinary job (runtime/jobs/eval.py, distill.py, tune.py, calle
 it would alone. A finished stage leaves a "stage" marker with its score in the build's state;
 a rerun skips marked stages and continues the interrupted one at its row or step.
 --stop-after STAGE stops cleanly after that stage, STAGE:N after N rows or steps of it.
+
+Sharded (--shards N, each worker a build process with its shard: --shard I or the scheduler's
+index, runtime/jobs/shards.py): every worker runs the build. The eval and distill stages are
+split, each worker doing its shard of them; a worker whose shard is done waits (polling the
+state every WAIT_S; SIGTERM while waiting exits 75 and a rerun waits again) until the last shard
+to finish has merged the stage, then takes the stage's score from the merge and goes on. tune is
+not split: shard 0 runs it while the others wait for its marker, then every worker does its
+shard of eval-tuned. The stage marker is committed once, by whichever worker gets there first.
 """
 
 import importlib
+import time
 
 from runtime.config.commands import BUILD_STAGES as STAGES
 from runtime.config.commands import COMMANDS, stop_point
@@ -17,12 +26,16 @@ from runtime.core.job import Job, Outcome
 from runtime.data.train import read_bytes
 from runtime.errors import EXIT_OK, SpillpackError
 from runtime.fileio import sha256_bytes
-from runtime.state.store import local_file
+from runtime.jobs import shards
 from runtime.jobs.rowjob import RESULTS
+from runtime.state.jobstate import JobState, StateConflict
+from runtime.state.store import local_file, open_store
 
 STAGE_MARKER = "stage"
 TUNE_DATA = "data/tune.jsonl"
 FOLDER_FILES = ("evals.jsonl", "train.jsonl", "prompts.jsonl")  # all a build reads from FOLDER (and all `pack` copies)
+SPLIT = ("eval-base", "distill", "eval-tuned")  # the stages a sharded build splits; tune runs in shard 0
+WAIT_S = 2.0
 
 
 class StageEvents:
@@ -80,11 +93,14 @@ def main(inv, events) -> Outcome:
     identity = {"command": "build", **{f"{k}_sha256": sha256_bytes(v) for k, v in sorted(files.items())},
                 **{k: o[k] for k in ("student", "teacher", "teacher_adapter", "metric", "field", "max_tokens", "steps", "epochs",
                                      "rank", "lr", "warmup", "targets", "seed")}}
+    split = shards.plan(o, "build")
+    if split.count > 1:
+        identity["shards"] = split.count
     with Job.open(inv, identity, events) as job:
-        return _run(job, inv, events, files, stages, stop_stage, stop_n)
+        return _run(job, inv, events, files, stages, stop_stage, stop_n, split)
 
 
-def _run(job: Job, inv, events, files, stages, stop_stage, stop_n) -> Outcome:
+def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.Plan(1, 0)) -> Outcome:
     a, o = inv.arguments, inv.options
     folder = str(a["folder"]).rstrip("/")
     store = job.state.store
@@ -115,14 +131,33 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n) -> Outcome:
             continue
         if job.preemption.stop_requested:
             return job.preempted(len(scores), abandoned_quantum=False)
+        sharded = split.count > 1
+        if sharded and stage not in SPLIT and split.index != 0:
+            # Shard 0 runs tune; the others wait for its marker.
+            stopped = _wait(job, events, lambda: _marked(job.state, stage), f"{stage} (shard 0 runs it)", len(scores))
+            if stopped is not None:
+                return stopped
+            scores[stage] = _marked(job.state, stage)
+            continue
         if stage == "tune" and store.read(TUNE_DATA) is None:
             store.write(TUNE_DATA, _tune_data(files, store))
         command, given = plans[stage]
         given = {**given, "state": store.child_uri(f"stages/{stage}"), "name": f"{o['name']}-{stage}",
                  "stop_after": stop_n if stage == stop_stage else None}
+        if sharded and stage in SPLIT:
+            given.update(shards=split.count, shard=split.index)
         sub = resolve(command, given, headless=events.headless, debug=inv.debug, bundle=inv.bundle)
+        run_stage = importlib.import_module(COMMANDS[command].module).main
         # The stage's job installs its own handler over the build's while it runs.
-        outcome = importlib.import_module(COMMANDS[command].module).main(sub, StageEvents(events, stage))
+        outcome = run_stage(sub, StageEvents(events, stage))
+        if sharded and stage in SPLIT and outcome.code == EXIT_OK and outcome.complete and not outcome.summary.get("merged"):
+            # This shard is done, others are not: wait for the merge, then read the stage's summary from it.
+            stage_state = JobState(open_store(given["state"]), {})
+            stopped = _wait(job, events, lambda: stage_state.merge_record() is not None, f"the other shards of {stage}",
+                            len(scores))
+            if stopped is not None:
+                return stopped
+            outcome = run_stage(sub, StageEvents(events, stage))
         if outcome.preempted:  # the stage emitted `preempted` and committed; the build only records it
             return job.preempted(len(scores), abandoned_quantum=False, emit=False)
         if outcome.code != EXIT_OK:
@@ -130,13 +165,43 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n) -> Outcome:
         if not outcome.complete:  # stopped early by STAGE:N
             return job.done(len(scores), False, stages=scores, stopped_in=stage)
         score = _score(stage, outcome.summary)
-        job.state.commit_marker(STAGE_MARKER, {"stage": stage, "score": score})
+        _mark(job.state, stage, score, sharded)
         scores[stage] = score
         events.emit("stage", stage=stage, status="scored", score=score)
         if stage == stop_stage:
             return job.done(len(scores), False, stages=scores)
     events.say(table(scores))
     return job.done(len(scores), True, stages=scores)
+
+
+def _marked(state: JobState, stage: str) -> dict | None:
+    return next((m.meta["score"] for m in state.markers(STAGE_MARKER) if m.meta["stage"] == stage), None)
+
+
+def _mark(state: JobState, stage: str, score: dict, sharded: bool) -> None:
+    """The stage's marker, once. In a sharded build several workers finish a stage: the first
+    commits it, and one that loses the race for the commit finds the marker there."""
+    while not sharded or _marked(state, stage) is None:
+        try:
+            state.commit_marker(STAGE_MARKER, {"stage": stage, "score": score})
+            return
+        except StateConflict:
+            if not sharded:
+                raise
+            state.resync()
+
+
+def _wait(job: Job, events, ready, what: str, step: int) -> Outcome | None:
+    """Poll until `ready()`; a stop request meanwhile is a preemption (nothing to commit: a rerun waits again)."""
+    said = False
+    while not ready():
+        if job.preemption.stop_requested:
+            return job.preempted(step, abandoned_quantum=False)
+        if not said:
+            events.say(f"waiting for {what}")
+            said = True
+        time.sleep(WAIT_S)
+    return None
 
 
 def _tune_data(files: dict, store) -> bytes:

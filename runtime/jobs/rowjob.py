@@ -27,12 +27,13 @@ from runtime.errors import SpillpackError, UsageError
 from runtime.core.job import Job, Outcome
 from runtime.fileio import sha256_bytes
 from runtime.generation import Request
+from runtime.jobs import shards
 from runtime.models.ref import local_path, resolve_model
 from runtime.data.rows import Row, encode_rows, error_line, ok_line, parse_rows
 from runtime.state.store import open_store
 from runtime.models.tokenizer import Tokenizer
 
-RESULTS = "results.jsonl"  # the final output, under the state
+RESULTS = shards.RESULTS  # the final output, under the state
 OUTPUT_MARKER = "output"  # commit kind recorded once the final output is written
 
 
@@ -99,13 +100,45 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
         **{k: o[k] for k in ("max_tokens", "temperature", "top_p", "seed")},
         **(task.identity or {}),
     }
+    # Request ids hash the job without its shard count: a sharded run's file equals an unsharded one's.
     job_key = sha256_bytes(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS))
-    with Job.open(inv, identity, events) as job:
-        return _run(job, inv, events, task, rows, tokenizer, model_dir, adapter, job_key)
+    split = shards.plan(o, task.command)
+    if split.count > 1:
+        identity["shards"] = split.count
+    shard = shards.shard_identity(identity, split, len(rows)) if split.count > 1 and split.index is not None else None
+    with Job.open(inv, identity, events, shard=shard) as job:
+        if split.count > 1:
+            return _run_shard(job, inv, events, task, rows, split, (tokenizer, model_dir, adapter, job_key))
+        return _run(job, inv, events, task, rows, (tokenizer, model_dir, adapter, job_key))
 
 
-def _run(job: Job, inv, events, task, rows, tokenizer, model_dir, adapter, job_key) -> Outcome:
+def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tuple["RowsWork", Outcome | None]:
+    """Generate every row of `rows` not committed yet: the work, and the Outcome if it stopped."""
     a, o = inv.arguments, inv.options
+    tokenizer, model_dir, adapter, job_key = model
+    state = job.state
+    total = len(rows)
+    work = RowsWork(job, task, rows, a[task.model_arg], job_key, o)
+    if work.lines:
+        job.restored(len(work.lines), state.uri)
+    gen_tokens = sum(r.max_tokens for r in work.todo)
+    extra = {"shard": job.state.identity.get("shard"), "shards": job.state.identity.get("shards")} if job.root else {}
+    events.emit("start", step=len(work.lines), job=o["name"], model=a[task.model_arg],
+                placement=f"{job.engine_name}: {job.engine_reason}", state=state.uri, estimated_seconds=None, total=total, **extra,
+                message=f"{task.command} {a[task.model_arg]} on {a[task.input_arg]}{label}: {len(work.todo)} of {total} rows to generate "
+                        f"({len(work.lines)} done or failed, up to {gen_tokens} new tokens) in batches of {o['batch']} "
+                        f"on {job.engine_name}; state at {state.uri}")
+    if work.todo and (o.get("stop_after") is None or work.done < o["stop_after"]):
+        work.start(get_engine(job.engine_name), model_dir, tokenizer, adapter)
+        stopped = job.run(work, o.get("stop_after"))
+        if stopped is not None:
+            return work, stopped
+    work.commit()
+    return work, None
+
+
+def _run(job: Job, inv, events, task, rows, model) -> Outcome:
+    o = inv.options
     state, store = job.state, job.state.store
     total = len(rows)
 
@@ -120,22 +153,9 @@ def _run(job: Job, inv, events, task, rows, tokenizer, model_dir, adapter, job_k
     if o.get("out") and uri_exists(o["out"]):
         raise UsageError(f"{o['out']} already exists and would be overwritten", f"another --out, or remove {o['out']}")
 
-    work = RowsWork(job, task, rows, a[task.model_arg], job_key, o)
-    if work.lines:
-        job.restored(len(work.lines), state.uri)
-    gen_tokens = sum(r.max_tokens for r in work.todo)
-    events.emit("start", step=len(work.lines), job=o["name"], model=a[task.model_arg],
-                placement=f"{job.engine_name}: {job.engine_reason}", state=state.uri, estimated_seconds=None, total=total,
-                message=f"{task.command} {a[task.model_arg]} on {a[task.input_arg]}: {len(work.todo)} of {total} rows to generate "
-                        f"({len(work.lines)} done or failed, up to {gen_tokens} new tokens) in batches of {o['batch']} "
-                        f"on {job.engine_name}; state at {state.uri}")
-    if work.todo and (o.get("stop_after") is None or work.done < o["stop_after"]):
-        work.start(get_engine(job.engine_name), model_dir, tokenizer, adapter)
-        stopped = job.run(work, o.get("stop_after"))
-        if stopped is not None:
-            return stopped
-    work.commit()
-
+    work, stopped = _generate(job, inv, events, task, rows, model)
+    if stopped is not None:
+        return stopped
     lines = work.lines
     if len(lines) < total:
         return job.done(len(lines), False, out=None, rows=len(lines), failed_rows=sum(1 for x in lines.values() if x.get("error")))
@@ -150,6 +170,60 @@ def _run(job: Job, inv, events, task, rows, tokenizer, model_dir, adapter, job_k
     if output.message:
         events.say(output.message)
     return job.done(total, True, out=out or store.child_uri(RESULTS), rows=total, **output.summary)
+
+
+def _run_shard(job: Job, inv, events, task, rows, split: "shards.Plan", model) -> Outcome:
+    """One shard's rows, then the merge if this process finds every shard done (runtime/jobs/shards.py)."""
+    o = inv.options
+    root = job.root or job.state
+    merger = shards.Merger(root, split, task, rows, o.get("out"), events, write_uri, uri_exists)
+    results_uri = root.store.child_uri(RESULTS)
+    n = split.count
+
+    def finished(record: dict, step: int, **fields) -> Outcome:
+        merger.deliver()
+        return job.done(step, True, out=o.get("out") or results_uri, rows=len(rows), shards=n, merged=True,
+                        **fields, **record.get("summary", {}))
+
+    record = root.merge_record()
+    if split.index is None:  # no shard to do: only complete the merge
+        merged = merger.attempt()
+        if merged.missing:
+            raise SpillpackError(f"{o['name']} is split into {n} shards and shard{'s' if len(merged.missing) > 1 else ''} "
+                                 f"{', '.join(map(str, merged.missing))} of them {'are' if len(merged.missing) > 1 else 'is'} "
+                                 f"not finished, so there is nothing to merge yet",
+                                 f"run the missing shards (--shard I, or the scheduler's array), e.g. "
+                                 f"spillpack resume {root.uri} --shard {merged.missing[0]}")
+        if merged.record is None:
+            return job.done(0, False, out=None, rows=len(rows), shards=n, merged=False)
+        return finished(merged.record, len(rows), shard=None)
+    if record is not None:  # merged before: deliver again (to a new --out) and report it
+        job.restored(len(rows), results_uri)
+        return finished(record, len(rows), shard=split.index)
+    shards.check_out(root, o.get("out"), uri_exists)
+
+    lo, hi = split.range(len(rows))
+    mine = rows[lo:hi]
+    work, stopped = _generate(job, inv, events, task, mine, model, f" (shard {split.index} of {n}: rows {lo}-{hi - 1})")
+    if stopped is not None:
+        return stopped
+    lines = work.lines
+    common = {"shard": split.index, "shards": n}
+    if len(lines) < len(mine):
+        return job.done(len(lines), False, out=None, rows=len(lines), merged=False, **common,
+                        failed_rows=sum(1 for x in lines.values() if x.get("error")))
+    if job.state.shard_done() is None:
+        job.state.mark_shard_done(len(mine))
+    merged = merger.attempt()
+    if merged.record is None:
+        # Others are still working (or one is merging right now): this shard's part is done.
+        m = merged.missing
+        waiting = (f"shard{'s' if len(m) > 1 else ''} {', '.join(map(str, m))} still running" if m else "another shard is merging")
+        events.say(f"shard {split.index} of {n} done ({len(mine)} rows); {waiting}: the last shard to finish merges")
+        return job.done(len(mine), True, out=None, rows=len(mine), merged=False, **common)
+    # Merged: out and rows describe the job's output file, as an unsharded run's done does.
+    return job.done(len(mine), True, out=o.get("out") or results_uri, rows=len(rows), shard_rows=len(mine), merged=True,
+                    merged_here=merged.by_me, **common, **merged.record.get("summary", {}))
 
 
 class RowsWork:

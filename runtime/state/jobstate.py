@@ -9,6 +9,13 @@ Layout:
     invocation.json                   the resolved config of the newest run (what `spillpack resume` runs)
     progress/<writer>.json            how far each process got, overwritten now and then: after a
                                       hard kill, `spillpack status` tells how much work was repeated
+  a row job split with --shards N (runtime/jobs/shards.py) also has:
+    shards/<I>/...                    shard I's own state, the same layout as above (its job.json adds
+                                      the shard, its rows and the job's shard count); a "shard-done"
+                                      marker commit once every row of it is committed
+    merge-claim.json                  created exclusively by the one process that merges
+    results.jsonl (and the task's other outputs)   the merged output, written by that process
+    merged.json                       the merge record, created exclusively, written last
 
 A checkpoint or segment exists only once its commit record does. Files written by a
 process that died before committing are never referenced and are ignored. Commit records
@@ -26,9 +33,12 @@ import orjson
 
 from runtime.errors import SpillpackError
 from runtime.fileio import sha256_bytes
-from runtime.state.store import Store
+from runtime.state.store import Store, open_store
 
 KEEP_CHECKPOINTS = 2
+SHARD_DONE = "shard-done"  # marker kind: every row of this shard is committed
+MERGED = "merged.json"
+MERGE_CLAIM = "merge-claim.json"
 
 
 @dataclass
@@ -60,9 +70,11 @@ class JobState:
 
     # -- opening ------------------------------------------------------------------
 
-    def open(self, **about) -> None:
-        """Claim the state for this job, or refuse if it holds another job. Writes nothing else.
-        `about`: more of this process for the history (a data-parallel group's world and hosts)."""
+    def open(self, log: bool = True, **about) -> None:
+        """Claim the state for this job, or refuse if it holds another job. Writes nothing else
+        (but the history's "open" record, unless `log` is False: a shard's process is told in its
+        shard's history, not in the job's). `about`: more of this process for the history (a
+        data-parallel group's world and hosts)."""
         self.store.check_writable()
         body = orjson.dumps(self.identity, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
         existing = self.store.read("job.json")
@@ -71,7 +83,20 @@ class JobState:
         if existing is not None:
             self._check_identity(orjson.loads(existing))
         self._next_seq = max((c.seq for c in self._commits()), default=0) + 1
-        self.log("open", engine=self.engine, pid=os.getpid(), **about)
+        if log:
+            self.log("open", engine=self.engine, pid=os.getpid(), **about)
+
+    def claimed(self) -> dict | None:
+        """The identity this state holds (job.json), or None when no job claimed it yet."""
+        raw = self.store.read("job.json")
+        try:
+            return orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            return None
+
+    def resync(self) -> None:
+        """After another process won a commit: the next commit takes the sequence number after its."""
+        self._next_seq = max((c.seq for c in self._commits()), default=0) + 1
 
     def _check_identity(self, theirs: dict) -> None:
         for key in sorted(set(theirs) | set(self.identity)):
@@ -172,6 +197,51 @@ class JobState:
 
     def markers(self, kind: str) -> list[Commit]:
         return [c for c in self._commits() if c.kind == kind]
+
+    # -- shards and their merge ---------------------------------------------------------------
+
+    def shard(self, index: int, identity: dict | None = None) -> "JobState":
+        """Shard `index`'s own state, under this one (`identity` None: to read it, not to open it)."""
+        return JobState(open_store(self.store.child_uri(f"shards/{index}")), identity or {}, engine=self.engine)
+
+    def shard_done(self) -> Commit | None:
+        done = self.markers(SHARD_DONE)
+        return done[-1] if done else None
+
+    def mark_shard_done(self, rows: int) -> None:
+        self.commit_marker(SHARD_DONE, {"rows": rows})
+        self.log("shard-done", rows=rows)
+
+    def claim_merge(self, shard: int | None) -> bool:
+        """Created exclusively (and naming this process, so no two claims are the same bytes):
+        True for the one process that merges."""
+        return self.store.create(MERGE_CLAIM, orjson.dumps(self._stamp({"shard": shard})))
+
+    def merge_claim(self) -> dict | None:
+        return self._json(MERGE_CLAIM)
+
+    def write_output(self, name: str, data: bytes) -> None:
+        self.store.write(name, data)
+
+    def output(self, name: str) -> bytes | None:
+        return self.store.read(name)
+
+    def merge_record(self) -> dict | None:
+        return self._json(MERGED)
+
+    def record_merge(self, meta: dict) -> bool:
+        """Written last, created exclusively: True for the one process whose record it is."""
+        return self.store.create(MERGED, orjson.dumps(self._stamp(meta), option=orjson.OPT_INDENT_2))
+
+    def _stamp(self, meta: dict) -> dict:
+        return {**meta, "time": round(time.time(), 3), "host": self.host, "pid": os.getpid(), "writer": self.writer}
+
+    def _json(self, key: str) -> dict | None:
+        raw = self.store.read(key)
+        try:
+            return orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            return None  # never torn (created whole); a foreign file is not a record
 
     # -- the invocation, and progress beyond the last commit ----------------------------------
 

@@ -49,6 +49,7 @@ class Values:
     volume_gb: int = 50
     nodes: int = 1  # a data-parallel tune: nodes x gpus_per_node ranks
     gpus_per_node: int = 1
+    shards: int = 1  # a row job split with --shards N: a Slurm array, an Indexed Job, N managed jobs
 
     @property
     def distributed(self) -> bool:
@@ -64,11 +65,24 @@ EXAMPLE = Values(name="mine", bundle="mine", state="s3://my-bucket/spillpack/sta
 # The same job as a data-parallel tune on 2 nodes of 8 GPUs (`pack --nodes 2 --gpus-per-node 8`).
 EXAMPLE_GROUP = replace(EXAMPLE, name="mine-dp", bundle="mine-dp", state="s3://my-bucket/spillpack/state/mine-dp",
                         nodes=2, gpus_per_node=8)
-EXAMPLES_ALL = (EXAMPLE, EXAMPLE_GROUP)
+# A batch `run` split into 4 shards (`pack run ... --shards 4`).
+EXAMPLE_SHARDED = replace(EXAMPLE, name="rows", bundle="rows", state="s3://my-bucket/spillpack/state/rows", shards=4)
+EXAMPLES_ALL = (EXAMPLE, EXAMPLE_GROUP, EXAMPLE_SHARDED)
 
 
-def file_names(kind: str, bundle: str, distributed: bool = False) -> dict[str, str]:
-    """template -> the file written beside the bundle (the same names for one process or a group)."""
+def file_names(kind: str, bundle: str, distributed: bool = False, shards: int = 1) -> dict[str, str]:
+    """template -> the file written beside the bundle (the same names for one process, a group or
+    shards). A sharded row job gets the scheduler's fan-out: a Slurm array, a Kubernetes Indexed
+    Job, one SkyPilot managed job per shard (examples/schedulers/skypilot/README.md says why)."""
+    if shards > 1:
+        return {
+            "skypilot": {"skypilot-shards.yaml.j2": f"{bundle}.sky.yaml"},
+            "slurm": {"slurm-array.sbatch.j2": f"{bundle}.sbatch"},
+            # The shards' pods land on any nodes: the shared (ReadWriteMany) volume.
+            "kubernetes": {"kubernetes-shared-pvc.yaml.j2": f"{bundle}.k8s-pvc.yaml",
+                           "kubernetes-shards.yaml.j2#cuda": f"{bundle}.k8s-cuda.yaml",
+                           "kubernetes-shards.yaml.j2#cpu": f"{bundle}.k8s-cpu.yaml"},
+        }[kind]
     if distributed:  # a data-parallel tune: its own templates (multi-node launch, shared volume)
         return {
             "skypilot": {"skypilot-dist.yaml.j2": f"{bundle}.sky.yaml"},
@@ -100,7 +114,7 @@ _env.filters.update(sh=quoting.sh, yaml=quoting.yaml, comment=quoting.comment, w
 
 def render(kind: str, values: Values) -> dict[str, str]:
     """file name -> text, for one scheduler."""
-    names = file_names(kind, values.bundle, values.distributed)
+    names = file_names(kind, values.bundle, values.distributed, values.shards)
     files = {"pvc": f"{values.bundle}.k8s-pvc.yaml" if kind == "kubernetes" else None}
     out = {}
     for key, fname in names.items():
@@ -154,7 +168,8 @@ def values_for(config: dict, bundle_dir: Path, python: str, with_torch: bool, no
     engine = o.get("engine") or "auto"
     gpus = () if engine == "torch-cpu" else GPUS
     return Values(name=dns_label(name), bundle=bundle_dir.name, state=state, weights=o.get("weights"),
-                  python=python, torch=torch, with_torch=with_torch, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node)
+                  python=python, torch=torch, with_torch=with_torch, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node,
+                  shards=o.get("shards") or 1)
 
 
 def write(kind: str, values: Values, where: Path) -> list[Path]:
