@@ -187,7 +187,7 @@ def _run_shard(job: Job, inv, events, task, rows, split: "shards.Plan", model) -
 
     record = root.merge_record()
     if split.index is None:  # no shard to do: only complete the merge
-        merged = merger.attempt()
+        merged = merger.attempt(complete=True)
         if merged.missing:
             raise SpillpackError(f"{o['name']} is split into {n} shards and shard{'s' if len(merged.missing) > 1 else ''} "
                                  f"{', '.join(map(str, merged.missing))} of them {'are' if len(merged.missing) > 1 else 'is'} "
@@ -204,6 +204,7 @@ def _run_shard(job: Job, inv, events, task, rows, split: "shards.Plan", model) -
 
     lo, hi = split.range(len(rows))
     mine = rows[lo:hi]
+    rerun = job.state.shard_done() is not None  # nothing of its own to do: it may complete a merge cut short
     work, stopped = _generate(job, inv, events, task, mine, model, f" (shard {split.index} of {n}: rows {lo}-{hi - 1})")
     if stopped is not None:
         return stopped
@@ -214,7 +215,7 @@ def _run_shard(job: Job, inv, events, task, rows, split: "shards.Plan", model) -
                         failed_rows=sum(1 for x in lines.values() if x.get("error")))
     if job.state.shard_done() is None:
         job.state.mark_shard_done(len(mine))
-    merged = merger.attempt()
+    merged = merger.attempt(complete=rerun)
     if merged.record is None:
         # Others are still working (or one is merging right now): this shard's part is done.
         m = merged.missing

@@ -13,8 +13,9 @@ merge that happens exactly once.
   process, so two claims are never the same bytes): of two workers finishing together exactly one
   writes. It builds the output in input order, writes results.jsonl, the task's other outputs and
   --out (each atomically: whole or absent), then creates merged.json, last. A merge cut short
-  (a claim and no record) is completed by the next process that gets there: a rerun of any shard,
-  or `spillpack resume STATE` (a process without a shard index only merges). The output is a pure
+  (a claim and no record) is completed by a rerun of any shard whose rows were all committed
+  already, or by `spillpack resume STATE` (a process without a shard index only merges); a
+  worker that has just finished its own shard leaves a claim to the process that made it. The output is a pure
   function of the committed rows, so completing writes the same bytes even if the first merger
   is still alive.
 
@@ -40,7 +41,8 @@ RESULTS = "results.jsonl"  # the output under the state, as an unsharded row job
 # The scheduler variables that carry a worker's index, in the order they are believed.
 INDEX_ENV = ("SPILLPACK_SHARD", "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX", "SKYPILOT_NODE_RANK")
 # Tests only: DIR:N makes N processes meet right before the merge, each having committed its
-# shard, so two workers finishing at the same moment is a real race that happens every time.
+# shard, and again right before the claim, so two workers finishing at the same moment is a
+# real race for the exclusive create that happens every time.
 BARRIER_ENV = "SPILLPACK_TEST_MERGE_BARRIER"
 
 
@@ -104,8 +106,11 @@ class Merger:
     def missing(self) -> list[int]:
         return [i for i, s in enumerate(self.shards()) if s.shard_done() is None]
 
-    def attempt(self) -> Merged:
-        _barrier()
+    def attempt(self, complete: bool) -> Merged:
+        """`complete`: this process may complete a merge another one claimed and did not record
+        (it started with nothing of its own to do: a rerun of a finished shard, or a process
+        without a shard); a worker that has just finished its shard leaves a claim to its owner."""
+        _barrier("enter")
         record = self.root.merge_record()
         if record is not None:
             return Merged(record)
@@ -113,9 +118,14 @@ class Merger:
         if missing:
             return Merged(None, missing=missing)
         t0 = time.perf_counter()
-        # A claim with no record: its merger was killed (or is finishing right now). Completing
-        # it writes the same bytes, so either way the result is one merge.
+        # A claim with no record: its merger is finishing right now, or was killed. Completing
+        # it writes the same bytes, so either way the result is one merge; but only a process
+        # with nothing else to do completes it, not one that merely finished at the same moment.
         cut_short = self.root.merge_claim() is not None
+        if cut_short and not complete:
+            return Merged(self.root.merge_record())
+        if not cut_short:
+            _barrier("claim")
         if not cut_short and not self.root.claim_merge(self.plan.index):
             return Merged(self.root.merge_record())  # another worker finished at the same moment: it merges
         output = self.task.finish(self.rows, self._lines())
@@ -170,13 +180,14 @@ def check_out(root: JobState, out: str | None, uri_exists) -> None:
         raise UsageError(f"{out} already exists and would be overwritten", f"another --out, or remove {out}")
 
 
-def _barrier() -> None:
-    """Tests make two workers finish at the same moment: each waits here until N have arrived."""
+def _barrier(point: str) -> None:
+    """Tests make two workers finish at the same moment: each waits at `point` until N have
+    arrived (at "enter" each has committed its shard; at "claim" each has found no claim)."""
     spec = os.environ.get(BARRIER_ENV)
     if not spec:
         return
     where, _, n = spec.rpartition(":")
-    d = Path(where)
+    d = Path(where) / point
     d.mkdir(parents=True, exist_ok=True)
     (d / str(os.getpid())).touch()
     end = time.monotonic() + 300
