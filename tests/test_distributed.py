@@ -184,6 +184,33 @@ def test_sigterm_to_one_rank_stops_all_then_resume_at_another_size(home, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_rank_killed_hard_ends_the_group_and_the_rerun_resumes(home, tmp_path, reference):
+    """SIGKILL to rank 1: rank 0 loses its group and says so in one line (exit 1), nothing
+    committed is lost, and the same command continues from the last commit."""
+    state = tmp_path / "s"
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "spillpack", *BASE, "--state", str(state)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO,
+                              env=env_of(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                         MASTER_PORT=str(port)))
+             for r in range(2)]
+    for line in procs[0].stdout:
+        e = json.loads(line)
+        if e["event"] == "checkpoint" and e["step"] == 8:
+            procs[1].kill()
+            break
+    procs[0].stdout.read()
+    codes = [p.wait(timeout=300) for p in procs]
+    err = procs[0].stderr.read()
+    assert codes == [1, -signal.SIGKILL], err
+    assert err.count("\n") == 1 and err.startswith("spillpack: rank 0 of 2 lost its process group"), err
+    r = run_cli(BASE + ["--state", str(state)], env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [e for e in events_of(r.stdout) if e["event"] == "restore"][0]["step"] >= 8
+    assert_close(state / "adapter", reference)
+
+
+@pytest.mark.slow
 def test_two_nodes_with_a_static_rendezvous(home, tmp_path, reference):
     """Two torchrun launchers on 127.0.0.1, one process each, as two nodes of a cluster would be."""
     state = tmp_path / "s"
