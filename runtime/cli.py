@@ -16,7 +16,7 @@ from runtime.config.commands import COMMANDS, options_for
 from runtime.config.invocation import Invocation, resolve, write_config
 from runtime.core import ranks
 from runtime.core.events import Events, headless_wanted
-from runtime.errors import SpillpackError, UsageError, redact
+from runtime.errors import SpillpackError, UsageError, from_os_error, redact
 
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) 
         return _fail(e, events, debug)
     except SpillpackError as e:
         return _fail(e, events, debug)
+    except OSError as e:  # the machine refused a file operation (a full disk, a read-only file system): say which
+        return _fail(from_os_error(e), events, debug)
     except KeyboardInterrupt:
         return _fail(SpillpackError("interrupted", f"spillpack {command or ''} ... again"), events, debug)
     except Exception as e:  # the one place an unexpected error becomes one line

@@ -39,3 +39,27 @@ class SpillpackError(Exception):
 
 class UsageError(SpillpackError):
     exit_code = EXIT_USAGE
+
+
+def from_os_error(e: OSError) -> SpillpackError:
+    """One line for a file operation the machine refused (a full disk, a read-only file system,
+    a directory that cannot be created), naming the file and, when it lies under
+    SPILLPACK_HOME, that setting."""
+    import errno
+    import os
+
+    from runtime.paths import spillpack_home
+
+    where = e.filename or "a file"
+    home = str(spillpack_home().absolute())
+    folder = os.path.dirname(str(where)) or "."
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what, try_ = f"no space left on the disk of {where} ({e.strerror})", \
+            f"free space there (df -h {folder}), then the same command again: it continues from its last commit"
+    elif e.errno == errno.EROFS:
+        what, try_ = f"{where} is on a read-only file system", "a path on a writable disk"
+    else:
+        what, try_ = f"cannot write {where}: {e.strerror}", f"ls -ld {folder}"
+    if str(where).startswith(home.rstrip("/") + "/") or str(where) == home:
+        what, try_ = f"SPILLPACK_HOME {home} cannot be used: {what}", "export SPILLPACK_HOME=a directory you can write"
+    return SpillpackError(what, try_)

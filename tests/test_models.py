@@ -163,7 +163,7 @@ def test_missing_config_json(tmp_path):
     (d / "config.json").unlink()
     with pytest.raises(SpillpackError) as e:
         resolve_model(str(d))
-    assert error_line(e) == f"spillpack: no config.json in {d}. Try: point --model or --weights at a Hugging Face model directory"
+    assert error_line(e) == f"spillpack: no config.json in {d}. Try: a Hugging Face model directory as the job's MODEL or --weights"
 
 
 def test_corrupt_safetensors(tmp_path):
@@ -205,7 +205,7 @@ def test_tag_without_weights(tmp_path, monkeypatch):
         resolve_model("qwen2.5:0.5b")
     assert error_line(e) == (
         f"spillpack: no weights for qwen2.5:0.5b (looked in {tmp_path / 'models' / 'qwen2.5-0.5b'}); "
-        "download Qwen/Qwen2.5-0.5B-Instruct first. Try: --model qwen2.5:0.5b --weights /path/to/qwen2.5-0.5b"
+        "download Qwen/Qwen2.5-0.5B-Instruct first. Try: MODEL qwen2.5:0.5b with --weights /path/to/qwen2.5-0.5b"
     )
     with pytest.raises(SpillpackError) as e:
         resolve_model("qwen2.5:0.5b", weights=str(tmp_path / "nope"))

@@ -14,7 +14,7 @@ from runtime.errors import SpillpackError
 from runtime.state.jobstate import JobState
 from runtime.state.store import open_store
 
-END = ("done", "stopped", "interrupted")
+END = ("done", "stopped", "interrupted", "failed")
 
 
 def add_arguments(parser) -> None:
@@ -67,6 +67,9 @@ def story(state: JobState, command: str | None = None) -> dict:
                 proc["end"] = {"what": "interrupted", "signal": r.get("signal"), unit: r.get("step")}
                 lines.append(f"  interrupted by {r.get('signal')} at {unit} {r.get('step')}"
                              + (" (the step in flight was abandoned)" if r.get("abandoned_quantum") else ""))
+            elif what == "failed":  # exited 1 with its error line: not a hard kill
+                proc["end"] = {"what": "failed", unit: r.get("step"), "error": r.get("error")}
+                lines.append(f"  failed at {unit} {r.get('step') if r.get('step') is not None else done}: {r.get('error')}")
             elif what in ("done", "stopped"):
                 proc["end"] = {"what": what, unit: r.get("step")}
                 lines.append(f"  {'finished' if what == 'done' else 'stopped by --stop-after'} at {unit} {r.get('step')}")

@@ -91,6 +91,7 @@ class Job:
     root: JobState | None = None  # a shard's process: the whole job's state (self.state is its shard's)
     t0: float = field(default_factory=time.monotonic)
     _progress_at: float = 0.0
+    state_step: int | None = None  # steps or rows done, as last reported: for the history's records
 
     PROGRESS_EVERY_S = 1.0
 
@@ -124,8 +125,16 @@ class Job:
     def __enter__(self) -> "Job":
         return self
 
-    def __exit__(self, exc_type, *exc) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> bool:
         self.close(failed=exc_type is not None)
+        if isinstance(exc, Exception) and self.state is not None:
+            # An end record, so `spillpack status` never takes a process that stopped on an
+            # error for one that was killed.
+            what = exc.line() if isinstance(exc, SpillpackError) else f"{type(exc).__name__}: {exc}"
+            try:
+                self.state.log("failed", step=self.state_step, error=what)
+            except Exception:
+                pass  # the state may be what failed (a full disk): the error itself matters more
         return False
 
     def close(self, failed: bool = False) -> None:
@@ -186,6 +195,7 @@ class Job:
 
     def progress(self, done: int) -> None:
         """How far this process got (steps or rows), written at most every PROGRESS_EVERY_S."""
+        self.state_step = done
         now = time.monotonic()
         if self.writer and now - self._progress_at >= self.PROGRESS_EVERY_S:
             self._progress_at = now

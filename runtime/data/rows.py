@@ -14,6 +14,7 @@ row's error line in the output, and the other rows go on.
 import hashlib
 from dataclasses import dataclass, field
 
+from runtime.data.messages import normalize
 from runtime.data.train import iter_jsonl
 from runtime.errors import SpillpackError
 
@@ -74,9 +75,9 @@ def _fill(row: Row, obj: dict) -> str | None:
     if body.get("stream", False):
         return "stream is not available in a batch"
     if "messages" in body:
-        msgs = body["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
-            return "\"messages\" must be a non-empty list of {role, content}"
+        msgs, problem = normalize(body["messages"])
+        if problem:
+            return problem
         row.messages = msgs
     elif isinstance(body.get("prompt"), str) and body["prompt"]:
         row.messages = [{"role": "user", "content": body["prompt"]}]

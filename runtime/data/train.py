@@ -5,14 +5,19 @@ job resumed on another machine or engine sees exactly the batches it would have 
 """
 
 import math
+import stat
 from dataclasses import dataclass
 
 import numpy as np
 import orjson
 
+from runtime.data.messages import normalize
 from runtime.errors import SpillpackError
 from runtime.fileio import sha256_bytes
 from runtime.state.store import local_file, open_store
+
+# One JSONL line is one conversation or request: a longer line is not data of ours.
+MAX_LINE_BYTES = 16 << 20
 
 
 def read_bytes(uri: str, what: str = "data", bundle=None, missing_ok: bool = False) -> bytes | None:
@@ -27,6 +32,10 @@ def read_bytes(uri: str, what: str = "data", bundle=None, missing_ok: bool = Fal
             raise SpillpackError(f"{what} {uri} does not exist", f"aws s3 ls {parent}/")
         return data
     try:
+        # A FIFO would block forever and /dev/zero never ends: only a regular file is data.
+        if path.exists() and not path.is_dir() and not stat.S_ISREG(path.stat().st_mode):
+            raise SpillpackError(f"{what} {uri} is not a regular file (a pipe, device or socket cannot be read as data)",
+                                 f"copy it to a file first: cat {uri} > data.jsonl")
         data = path.read_bytes()
     except FileNotFoundError:
         if missing_ok:
@@ -46,6 +55,9 @@ def iter_jsonl(raw: bytes, uri: str):
     if not raw.strip():
         raise SpillpackError(f"{uri} is empty", f"head {uri}")
     for n, line in enumerate(raw.splitlines(), 1):
+        if len(line) > MAX_LINE_BYTES:
+            raise SpillpackError(f"{uri} line {n} is {len(line) / 2**20:.0f} MiB long, more than the {MAX_LINE_BYTES >> 20} MiB "
+                                 "a line may hold (is it JSONL?)", f"head -c 300 {uri}")
         if not line.strip():
             continue
         try:
@@ -63,16 +75,18 @@ def iter_jsonl(raw: bytes, uri: str):
 def chat_messages(obj: dict, n: int, uri: str) -> list[dict]:
     """The OpenAI fine-tuning chat shape, or {prompt, completion} as one user/assistant turn."""
     if "messages" in obj:
-        messages = obj["messages"]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise SpillpackError(f"{uri} line {n}: \"messages\" must be a list of {{role, content}}", f"sed -n {n}p {uri}")
-        if not any(m["role"] == "assistant" and isinstance(m.get("content"), str) and m["content"] for m in messages):
+        messages, problem = normalize(obj["messages"])
+        if problem:
+            raise SpillpackError(f"{uri} line {n}: {problem}", f"sed -n {n}p {uri}")
+        if not any(m["role"] == "assistant" and m["content"] for m in messages):
             raise SpillpackError(f"{uri} line {n} has no assistant content to learn from", f"sed -n {n}p {uri}")
         return messages
     if "prompt" in obj and "completion" in obj:
         if not isinstance(obj["completion"], str) or not obj["completion"]:
             raise SpillpackError(f"{uri} line {n} has an empty completion", f"sed -n {n}p {uri}")
-        return [{"role": "user", "content": str(obj["prompt"])}, {"role": "assistant", "content": obj["completion"]}]
+        if not isinstance(obj["prompt"], str):
+            raise SpillpackError(f"{uri} line {n}: \"prompt\" must be a string", f"sed -n {n}p {uri}")
+        return [{"role": "user", "content": obj["prompt"]}, {"role": "assistant", "content": obj["completion"]}]
     raise SpillpackError(f"{uri} line {n} has neither \"messages\" nor \"prompt\"/\"completion\"", f"sed -n {n}p {uri}")
 
 
@@ -89,11 +103,17 @@ class TrainData:
     sha256: str
 
 
+def train_conversations(raw: bytes, uri: str) -> list[tuple[int, list[dict]]]:
+    """(line number, messages) of every example: the checks that need no tokenizer, which
+    `spillpack pack` runs too."""
+    return [(n, chat_messages(obj, n, uri)) for n, obj in iter_jsonl(raw, uri)]
+
+
 def load_train_data(uri: str, tokenizer, max_seq: int, bundle=None) -> TrainData:
     raw = read_bytes(uri, "training data", bundle)
     examples, dropped = [], 0
-    for n, obj in iter_jsonl(raw, uri):
-        ids, mask = tokenizer.encode_chat(chat_messages(obj, n, uri))
+    for n, messages in train_conversations(raw, uri):
+        ids, mask = tokenizer.encode_chat(messages)
         if len(ids) > max_seq:
             dropped += 1
             continue

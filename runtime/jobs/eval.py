@@ -15,7 +15,7 @@ from runtime.jobs.rowjob import Output, RowTask
 from runtime.data.rows import content_of
 
 
-def _check(metric: str, field):
+def expected_check(metric: str, field):
     def check_rows(rows, uri):
         missing = next((r for r in rows if not r.has_expected), None)
         if missing is not None:
@@ -50,6 +50,6 @@ def _finisher(metric: str, field):
 
 def main(inv, events) -> Outcome:
     o = inv.options
-    task = RowTask("eval", "model", "evals", _finisher(o["metric"], o.get("field")), _check(o["metric"], o.get("field")),
+    task = RowTask("eval", "model", "evals", _finisher(o["metric"], o.get("field")), expected_check(o["metric"], o.get("field")),
                    identity={"metric": o["metric"], "field": o.get("field")})
     return rowjob.run_rows(inv, events, task)

@@ -30,7 +30,7 @@ from runtime.generation import Request
 from runtime.jobs import shards
 from runtime.models.ref import local_path, resolve_model
 from runtime.data.rows import Row, encode_rows, error_line, ok_line, parse_rows
-from runtime.state.store import open_store
+from runtime.state.store import check_output, open_store
 from runtime.models.tokenizer import Tokenizer
 
 RESULTS = shards.RESULTS  # the final output, under the state
@@ -86,6 +86,8 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
     raw = read_bytes(input_uri, "input", inv.bundle)
     rows = parse_rows(raw, input_uri, o["max_tokens"], o["temperature"], o["top_p"], o["seed"])
     task.check(rows, input_uri)
+    if o.get("out"):
+        check_output(o["out"], directory=False)
     adapter, adapter_fp = adapter_for(o.get("adapter"))
     encode_rows(rows, tokenizer, int(model_dir.config.get("max_position_embeddings") or 2048))
     bad = [r for r in rows if r.error]

@@ -2,9 +2,11 @@
 
 The step loop: check for a stop request, run forward/backward as an abandonable
 quantum, apply the optimizer update (never interrupted), report, commit every
---ckpt-every steps. A checkpoint holds the LoRA tensors, the AdamW moments and the
-losses so far; the data cursor is the step itself, since the batch order is a pure
-function of (seed, epoch, step).
+--ckpt-every steps. A checkpoint holds the LoRA tensors and the AdamW moments; the
+losses go to the state's append-only log, each checkpoint adding the steps since the one
+before; the data cursor is the step itself, since the batch order is a pure function of
+(seed, epoch, step). A loss that is not finite stops the job before its update is applied,
+so the committed checkpoints stay good.
 """
 
 import json
@@ -25,7 +27,8 @@ from runtime.engines import OptimSpec, get_engine
 from runtime.core.job import Job, Outcome
 from runtime.models.ref import resolve_model
 from runtime.core.signals import Abandon
-from runtime.state.store import open_store
+from runtime.errors import SpillpackError
+from runtime.state.store import check_output, open_store
 from runtime.models.tokenizer import Tokenizer
 
 CHECKPOINT_TENSORS = "state.safetensors"
@@ -49,6 +52,8 @@ def main(inv, events) -> Outcome:
     spec = LoraSpec(rank=o["rank"], alpha=float(o["alpha"]), targets=tuple(t.strip() for t in o["targets"].split(",") if t.strip()),
                     dropout=o["dropout"])
     tensors = init_tensors(model_dir.config, spec, o["seed"])  # validates --targets before any state is touched
+    if o.get("out"):
+        check_output(o["out"], directory=True)
     order = BatchOrder([len(e.ids) for e in data.examples], o["batch"], o["grad_accum"], o["seed"])
     total = order.steps_for(o.get("steps"), o.get("epochs"))
 
@@ -69,8 +74,7 @@ def main(inv, events) -> Outcome:
                 session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]))
                 session.pad_id = tokenizer.pad_token_id or 0
                 if latest is not None:
-                    meta = orjson.loads(job.state.read_file(latest, CHECKPOINT_META))
-                    restored = {"step": latest.step, "losses": meta["losses"], "uri": job.state.commit_uri(latest),
+                    restored = {"step": latest.step, "losses": restored_losses(job.state, latest), "uri": job.state.commit_uri(latest),
                                 "tensors": st_load(job.state.read_file(latest, CHECKPOINT_TENSORS))}
         except Abandon:
             abandoned = True
@@ -140,9 +144,15 @@ class TuneWork:
         loss_sum, tokens = self._result
         if self.job.group is not None:
             loss_sum, tokens = self.job.group.sum_gradients(self.session, loss_sum, tokens)
+        loss = loss_sum / self._targets
+        if not math.isfinite(loss):
+            raise SpillpackError(
+                f"training diverged: the loss of step {self.done + 1} is {loss}, so the job stops before applying it; "
+                f"the state keeps its last good checkpoint (step {self.committed})",
+                f"a smaller --lr than {o['lr']:g} (or a larger --warmup) with a new --state",
+            )
         self.session.apply(learning_rate(self.done, self.total, o["lr"], o["warmup"], o["schedule"]))
         self.done += 1
-        loss = loss_sum / self._targets
         self.losses.append(loss)
         dt = time.perf_counter() - self._t0
         self._times = (self._times + [dt])[-10:]
@@ -157,10 +167,20 @@ class TuneWork:
         if self.done == self.committed or not self.job.writer:
             return
         blob = st_save(self.session.export())
-        meta = orjson.dumps({"step": self.done, "losses": self.losses[: self.done], "hyper": self.identity})
-        c, seconds = self.job.state.commit_checkpoint(self.done, {CHECKPOINT_TENSORS: blob, CHECKPOINT_META: meta})
+        meta = orjson.dumps({"step": self.done, "hyper": self.identity})
+        log = b"".join(orjson.dumps({"step": i + 1, "loss": self.losses[i]}) + b"\n" for i in range(self.committed, self.done))
+        c, seconds = self.job.state.commit_checkpoint(self.done, {CHECKPOINT_TENSORS: blob, CHECKPOINT_META: meta}, log=log)
         self.committed = self.done
         self.job.checkpointed(self.done, self.job.state.commit_uri(c), seconds)
+
+
+def restored_losses(state, latest) -> list[float]:
+    """The losses of steps 1..latest.step, from the state's log (or, in a state written before
+    the log, from the checkpoint's meta.json)."""
+    if not latest.log:
+        return orjson.loads(state.read_file(latest, CHECKPOINT_META)).get("losses", [])
+    records = [orjson.loads(line) for line in state.read_log(latest).splitlines() if line.strip()]
+    return [r["loss"] for r in records if r["step"] <= latest.step]
 
 
 def write_outputs(job, session, spec, model_dir, model_ref, losses, o) -> str:

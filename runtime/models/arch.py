@@ -96,6 +96,6 @@ def architecture(config: dict, where: str = "config.json") -> Architecture:
     if model_type not in ARCHITECTURES:
         raise SpillpackError(
             f"{where}: model_type {model_type!r} is not supported (supported: {SUPPORTED})",
-            "a checkpoint of a supported architecture, such as --model qwen2.5:0.5b --weights DIR, or --model tiny",
+            "a checkpoint of a supported architecture as the job's MODEL, such as qwen2.5:0.5b with --weights DIR, or tiny",
         )
     return ARCHITECTURES[model_type]

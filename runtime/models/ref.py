@@ -101,7 +101,7 @@ def resolve_model(ref: str, weights: str | None = None) -> ModelDir:
     check_tag(ref)
     raise SpillpackError(
         f"model {ref!r} is neither a known tag nor a local model directory",
-        "--model tiny, --model qwen2.5:0.5b --weights /path/to/weights, or --model /path/to/hf-model-dir",
+        "as the job's MODEL: tiny, a tag such as qwen2.5:0.5b with --weights /path/to/weights, or /path/to/hf-model-dir",
     )
 
 
@@ -116,7 +116,7 @@ def check_tag(ref: str) -> None:
     """Refuse a reference written like a tag (name:size) that is not a known one."""
     if looks_like_tag(ref) and ref not in TAGS:
         known = ", ".join(["tiny", *TAGS])
-        raise SpillpackError(f"unknown model tag {ref!r} (known: {known})", "--model tiny, or --model /path/to/hf-model-dir")
+        raise SpillpackError(f"unknown model tag {ref!r} (known: {known})", "tiny, or a Hugging Face model directory, as the job's MODEL (spillpack models lists the tags)")
 
 
 def check_model_tags(*sections: dict) -> None:
@@ -141,7 +141,7 @@ def find_tag(tag: str, weights: str | None) -> Path:
     looked.append(str(home))
     raise SpillpackError(
         f"no weights for {tag} (looked in {' and '.join(looked)}); download {TAGS[tag].hf_repo} first",
-        f"--model {tag} --weights /path/to/{tag_dirname(tag)}",
+        f"MODEL {tag} with --weights /path/to/{tag_dirname(tag)}",
     )
 
 
@@ -154,7 +154,7 @@ def validate(path: Path, tag: Tag | None = None) -> ModelDir:
     """Check a directory is a loadable HF model; each failure names the file at fault."""
     config_file = path / "config.json"
     if not config_file.exists():
-        raise SpillpackError(f"no config.json in {path}", "point --model or --weights at a Hugging Face model directory")
+        raise SpillpackError(f"no config.json in {path}", "a Hugging Face model directory as the job's MODEL or --weights")
     try:
         config = json.loads(config_file.read_text())
         assert isinstance(config, dict), "not a JSON object"

@@ -4,6 +4,8 @@ Layout:
     job.json                          what job this state belongs to (refused if another job opens it)
     commits/<seq>.json                commit records, written last, created exclusively
     checkpoints/<seq>-<writer>/...    a checkpoint's files (tensors, cursor)
+    log/<seq>-<writer>.jsonl          an append-only log in chunks (a tune's losses): each checkpoint's
+                                      record lists the chunks from the start, so pruning never loses one
     segments/<seq>-<writer>.jsonl     a segment of finished rows
     history/<time>-<host>-<pid>-<n>.json   the job's life: opens, interruptions, checkpoints, resumes
     invocation.json                   the resolved config of the newest run (what `spillpack resume` runs)
@@ -18,16 +20,22 @@ Layout:
     merged.json                       the merge record, created exclusively, written last
 
 A checkpoint or segment exists only once its commit record does. Files written by a
-process that died before committing are never referenced and are ignored. Commit records
-are created with `Store.create`, so when two processes run the same job at once exactly
-one wins each sequence number and the other stops with one line instead of interleaving.
+process that died before committing are never referenced and are ignored, and so is a torn
+or empty record: the next commit takes a sequence number past it. Commit records are
+created with `Store.create`, so when two processes run the same job at once exactly one
+wins each sequence number and the other stops with one line instead of interleaving.
+
+Every commit record carries the job's identity as job.json does, so a state whose job.json
+was lost or damaged is still checked against the job that opens it. A state with no commit
+holds no work: a job.json of another job there (left by a run that failed before its first
+commit) is replaced, so a corrected command is never refused.
 """
 
 import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 
@@ -48,6 +56,8 @@ class Commit:
     step: int  # steps done (checkpoint) or rows in the segment
     files: dict  # name -> {"key", "size", "sha256"}
     meta: dict
+    identity: dict | None = None  # the job's identity (None in records written before it travelled with them)
+    log: list = field(default_factory=list)  # the log's chunks from the start, as files: {"key", "size", "sha256"}
 
 
 class StateConflict(SpillpackError):
@@ -63,6 +73,7 @@ class JobState:
         self.host = socket.gethostname()
         self._history_n = 0
         self._next_seq = 0
+        self._log: list = []  # the log chunks of the checkpoint this process continues from
 
     @property
     def uri(self) -> str:
@@ -76,13 +87,24 @@ class JobState:
         shard's history, not in the job's). `about`: more of this process for the history (a
         data-parallel group's world and hosts)."""
         self.store.check_writable()
+        commits = self._commits()
+        for c in commits:
+            if c.identity is not None:
+                self._check_identity(c.identity)
+        theirs = self._job_json()
+        if theirs is None and commits and all(c.identity is None for c in commits):
+            raise SpillpackError(f"state {self.uri} has commits but no job.json, so which job they belong to cannot be checked",
+                                 f"another --state (or delete {self.uri} to start over)")
         body = orjson.dumps(self.identity, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
-        existing = self.store.read("job.json")
-        if existing is None and not self.store.create("job.json", body):
-            existing = self.store.read("job.json")
-        if existing is not None:
-            self._check_identity(orjson.loads(existing))
-        self._next_seq = max((c.seq for c in self._commits()), default=0) + 1
+        if theirs is None:
+            if not self.store.create("job.json", body):
+                theirs = self._job_json()
+        if theirs is not None and theirs != self.identity:
+            if commits:
+                self._check_identity(theirs)
+            else:  # nothing committed: what a failed run left claims nothing
+                self.store.write("job.json", body)
+        self._next_seq = self._last_seq() + 1
         if log:
             self.log("open", engine=self.engine, pid=os.getpid(), **about)
 
@@ -96,9 +118,27 @@ class JobState:
 
     def resync(self) -> None:
         """After another process won a commit: the next commit takes the sequence number after its."""
-        self._next_seq = max((c.seq for c in self._commits()), default=0) + 1
+        self._next_seq = self._last_seq() + 1
+
+    def _job_json(self) -> dict | None:
+        raw = self.store.read("job.json")
+        if raw is None:
+            return None
+        try:
+            theirs = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            theirs = None
+        if not isinstance(theirs, dict):
+            raise SpillpackError(f"{self.store.child_uri('job.json')} is damaged (not a JSON object)",
+                                 f"delete {self.store.child_uri('job.json')} (its commits carry the job's identity too), "
+                                 "then run the same command again")
+        return theirs
 
     def _check_identity(self, theirs: dict) -> None:
+        a, b = theirs.get("command"), self.identity.get("command")
+        if a != b:
+            raise SpillpackError(f"state {self.uri} holds a {a} job, not a {b} job",
+                                 f"another --state for this {b} job (spillpack status {self.uri} tells that job's story)")
         for key in sorted(set(theirs) | set(self.identity)):
             a, b = theirs.get(key), self.identity.get(key)
             if a != b:
@@ -115,22 +155,32 @@ class JobState:
             raw = self.store.read(key)
             try:
                 r = orjson.loads(raw) if raw else None
-                out.append(Commit(r["seq"], r["kind"], r["step"], r["files"], r.get("meta", {})))
+                out.append(Commit(r["seq"], r["kind"], r["step"], r["files"], r.get("meta", {}), r.get("identity"), r.get("log", [])))
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 continue  # a torn or foreign record is not a commit
         return sorted(out, key=lambda c: c.seq)
 
-    def _complete(self, c: Commit) -> bool:
-        return all(self.store.size(f["key"]) == f["size"] for f in c.files.values())
+    def _last_seq(self) -> int:
+        """The highest sequence number any record has taken, torn ones included: a torn record
+        is passed over, never competed for."""
+        seqs = [int(n) for key in self.store.list("commits/") if (n := key.rsplit("/", 1)[-1].split(".")[0]).isdigit()]
+        return max(seqs, default=0)
 
-    def _commit(self, kind: str, step: int, files: dict[str, bytes], prefix: str, meta: dict) -> Commit:
-        seq = self._next_seq
+    def _complete(self, c: Commit) -> bool:
+        return all(self.store.size(f["key"]) == f["size"] for f in [*c.files.values(), *c.log])
+
+    def _write(self, key: str, data: bytes) -> dict:
+        self.store.write(key, data)
+        return {"key": key, "size": len(data), "sha256": sha256_bytes(data)}
+
+    def _commit(self, kind: str, step: int, files: dict[str, bytes], prefix: str, meta: dict, log: bytes = b"") -> Commit:
+        seq = self._next_seq  # taken at open: a record another process made since is a conflict, never skipped
         described = {}
         for name, data in files.items():
             key = f"{prefix}{seq:08d}-{self.writer}/{name}" if kind != "segment" else f"{prefix}{seq:08d}-{self.writer}.jsonl"
-            self.store.write(key, data)
-            described[name] = {"key": key, "size": len(data), "sha256": sha256_bytes(data)}
-        record = {"seq": seq, "kind": kind, "step": step, "files": described, "meta": meta,
+            described[name] = self._write(key, data)
+        chunks = self._log + ([self._write(f"log/{seq:08d}-{self.writer}.jsonl", log)] if log else []) if kind == "checkpoint" else []
+        record = {"seq": seq, "kind": kind, "step": step, "files": described, "meta": meta, "identity": self.identity, "log": chunks,
                   "time": round(time.time(), 3), "host": self.host, "pid": os.getpid(), "engine": self.engine, "writer": self.writer}
         if not self.store.create(_record_key(seq), orjson.dumps(record)):
             raise StateConflict(
@@ -138,7 +188,9 @@ class JobState:
                 "make sure one copy of the job runs, then run it again to continue from the newest commit",
             )
         self._next_seq = seq + 1
-        return Commit(seq, kind, step, described, meta)
+        if kind == "checkpoint":
+            self._log = chunks
+        return Commit(seq, kind, step, described, meta, self.identity, chunks)
 
     def commit_uri(self, commit: Commit) -> str:
         return self.store.child_uri(_record_key(commit.seq))
@@ -147,7 +199,15 @@ class JobState:
         return self.store.child_uri(commit.files[name]["key"])
 
     def read_file(self, commit: Commit, name: str) -> bytes:
-        f = commit.files[name]
+        return self._read_checked(commit, commit.files[name])
+
+    def read_log(self, commit: Commit) -> bytes:
+        """The log up to checkpoint `commit`; the next checkpoints of this process continue it."""
+        data = b"".join(self._read_checked(commit, f) for f in commit.log)
+        self._log = list(commit.log)
+        return data
+
+    def _read_checked(self, commit: Commit, f: dict) -> bytes:
         data = self.store.read(f["key"])
         if data is None or len(data) != f["size"] or sha256_bytes(data) != f["sha256"]:
             raise SpillpackError(f"state file {self.store.child_uri(f['key'])} is damaged (its bytes do not match commit {commit.seq})",
@@ -162,21 +222,36 @@ class JobState:
                 return c
         return None
 
-    def commit_checkpoint(self, step: int, files: dict[str, bytes], meta: dict | None = None) -> tuple[Commit, float]:
+    def commit_checkpoint(self, step: int, files: dict[str, bytes], meta: dict | None = None, log: bytes = b"") -> tuple[Commit, float]:
+        """`log`: what this checkpoint adds to the log since the one before it."""
         t0 = time.perf_counter()
-        commit = self._commit("checkpoint", step, files, "checkpoints/", meta or {})
+        commit = self._commit("checkpoint", step, files, "checkpoints/", meta or {}, log)
         seconds = time.perf_counter() - t0
         self.log("checkpoint", step=step, seq=commit.seq, uri=self.store.child_uri(_record_key(commit.seq)), seconds=round(seconds, 3))
         self._prune()
         return commit, seconds
 
     def _prune(self) -> None:
-        checkpoints = [c for c in self._commits() if c.kind == "checkpoint"]
+        commits = self._commits()
+        checkpoints = [c for c in commits if c.kind == "checkpoint"]
         for old in checkpoints[:-KEEP_CHECKPOINTS]:
             # The record goes first: a record never points at files that are already gone.
             self.store.delete(_record_key(old.seq))
             for f in old.files.values():
                 self.store.delete(f["key"])
+        kept = checkpoints[-KEEP_CHECKPOINTS:]
+        if not kept:
+            return
+        # Files of checkpoints older than the oldest kept one that no record references: a
+        # process that died (or lost a race) before its commit record. A writer still in
+        # flight at such a number cannot commit it any more, so nothing live is removed.
+        referenced = {f["key"] for c in commits for f in [*c.files.values(), *c.log]}
+        oldest = kept[0].seq
+        for prefix in ("checkpoints/", "log/"):
+            for key in self.store.list(prefix):
+                seq = key[len(prefix):].split("-", 1)[0]
+                if seq.isdigit() and int(seq) < oldest and key not in referenced:
+                    self.store.delete(key)
 
     # -- row segments -------------------------------------------------------------------
 

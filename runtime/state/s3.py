@@ -14,7 +14,9 @@ and refuses such a server.
 
 Retries: botocore retries each request on throttling, 5xx and connection errors with
 exponential backoff (mode 'standard', 10 attempts unless AWS_RETRY_MODE /
-AWS_MAX_ATTEMPTS say otherwise). A connection dropped while a response body streams
+AWS_MAX_ATTEMPTS say otherwise). Until the endpoint has answered once, a connection that
+cannot be made at all (refused, no route, connect timeout) is retried for CONNECT_BUDGET_S
+only: an unreachable endpoint is one line within ~10 s, not a minute of backoff. A connection dropped while a response body streams
 is outside botocore's reach, so whole-object reads and transfers are retried here too.
 """
 
@@ -37,6 +39,7 @@ from botocore.exceptions import (
     BotoCoreError,
     ClientError,
     ConnectionError as BotoConnectionError,
+    ConnectTimeoutError,
     EndpointConnectionError,
     IncompleteReadError,
     NoCredentialsError,
@@ -59,6 +62,12 @@ WHOLE_OBJECT_ATTEMPTS = 5
 STREAM_ERRORS = (IncompleteReadError, ResponseStreamingError, BotoConnectionError, RetriesExceededError, Urllib3Error,
                  ConnectionError, TimeoutError)
 
+# Errors of a connection that was never made; and how long they are retried before the
+# endpoint has answered once (a server that answers keeps botocore's full retries).
+NO_CONNECTION = (EndpointConnectionError, ConnectTimeoutError)
+CONNECT_TIMEOUT_S = 4
+CONNECT_BUDGET_S = 10.0
+
 _clients: dict = {}
 _clients_lock = threading.Lock()
 
@@ -72,10 +81,39 @@ def client():
             config = Config(
                 retries={"mode": os.environ.get("AWS_RETRY_MODE", "standard"),
                          "total_max_attempts": int(os.environ.get("AWS_MAX_ATTEMPTS", "10"))},
-                max_pool_connections=32, connect_timeout=10, read_timeout=120, tcp_keepalive=True,
+                max_pool_connections=32, connect_timeout=CONNECT_TIMEOUT_S, read_timeout=120, tcp_keepalive=True,
             )
-            _clients[env] = boto3.session.Session().client("s3", config=config)
+            c = boto3.session.Session().client("s3", config=config)
+            c.meta.events.register_first("needs-retry.s3", _ConnectBudget().check)
+            _clients[env] = c
         return _clients[env]
+
+
+class _ConnectBudget:
+    """Runs before botocore's retry handler. Until the endpoint has answered once, it decides
+    the retries of a connection that cannot be made: short waits, and the error itself once
+    another attempt would end past CONNECT_BUDGET_S. Anything else it leaves to botocore."""
+
+    def __init__(self):
+        self.answered = False
+        self.started: float | None = None  # when the first attempt that failed began
+        self.failures = 0
+
+    def check(self, response=None, caught_exception=None, **_):
+        if response is not None:
+            self.answered = True
+            return None
+        if self.answered or not isinstance(caught_exception, NO_CONNECTION):
+            return None
+        attempt_s = CONNECT_TIMEOUT_S if isinstance(caught_exception, ConnectTimeoutError) else 0.0
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now - attempt_s
+        delay = min(2.0, 0.5 * 2 ** self.failures)
+        self.failures += 1
+        if now - self.started + delay + attempt_s > CONNECT_BUDGET_S:
+            raise caught_exception
+        return delay
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -118,7 +156,7 @@ class S3Store(Store):
         if isinstance(e, NoCredentialsError):
             return SpillpackError(f"no AWS credentials found for {where}",
                                   "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) on this machine")
-        if isinstance(e, EndpointConnectionError):
+        if isinstance(e, NO_CONNECTION):
             return SpillpackError(f"cannot reach the S3 endpoint for {where} ({e.kwargs.get('endpoint_url', 'unknown')})",
                                   f"check AWS_ENDPOINT_URL and the network: aws s3 ls s3://{self.bucket}/")
         if isinstance(e, ClientError):
@@ -139,7 +177,7 @@ class S3Store(Store):
         for attempt in range(WHOLE_OBJECT_ATTEMPTS):
             try:
                 return fn()
-            except EndpointConnectionError as e:  # nothing answers at all: botocore already retried
+            except NO_CONNECTION as e:  # nothing answers at all: botocore already retried
                 raise self._error(e, what, key) from e
             except STREAM_ERRORS as e:
                 if attempt == WHOLE_OBJECT_ATTEMPTS - 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -141,6 +142,13 @@ class LocalStore(Store):
             shutil.rmtree(p, ignore_errors=True)
         else:
             unlink(p)
+        # Folders left empty go too (a pruned checkpoint's), but never a top-level one such as
+        # checkpoints/: another writer may be about to write into it.
+        for parent in list(p.parents)[: max(0, len(Path(key).parts) - 2)]:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
 
     def put_file(self, key, path):
         atomic_copy(path, self._path(key))
@@ -165,6 +173,34 @@ def local_file(uri: str) -> Path | None:
     if scheme == "file":
         return Path(urlparse(uri).path).expanduser()
     raise SpillpackError(f"unsupported URI scheme {scheme}:// in {uri}", "a local path, file:///path or s3://bucket/prefix")
+
+
+def check_output(uri: str, directory: bool, flag: str = "--out") -> None:
+    """Raise one line unless an output (a directory of files, or one file) can be written at
+    `uri`: checked before a job's first step, so no work is done for an output that would fail.
+    Creates nothing: a bad value leaves no trace."""
+    path = local_file(uri)
+    if path is None:
+        parent = uri.rstrip("/") if directory else uri.rstrip("/").rpartition("/")[0]
+        open_store(parent).check_writable()
+        return
+    path = path.absolute()
+    kind = "directory" if directory else "file"
+    if directory and path.exists() and not path.is_dir():
+        raise SpillpackError(f"{flag} {uri} is an existing file, not a directory", f"{flag} a new directory, or rm {uri}")
+    if not directory and path.is_dir():
+        raise SpillpackError(f"{flag} {uri} is a directory, not a file", f"{flag} {path / 'results.jsonl'}")
+    base = path if directory and path.is_dir() else path.parent
+    while not base.exists():
+        base = base.parent
+    if not base.is_dir():
+        raise SpillpackError(f"{flag} {uri} cannot be created: {base} is a file", f"{flag} a {kind} under a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=base, prefix=".spillpack-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise SpillpackError(f"{flag} {uri} cannot be written: creating a file in {base} fails ({e.strerror})", f"{flag} a {kind} on a disk you can write")
 
 
 def open_store(uri: str) -> Store:

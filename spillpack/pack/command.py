@@ -18,6 +18,7 @@ from runtime.bootstrap.manifest import Manifest
 from runtime.config.invocation import read_config
 from runtime.errors import SpillpackError, UsageError
 from runtime.config.commands import COMMANDS as JOB_COMMANDS
+from runtime.jobs.inputs import check_inputs
 
 from .. import schedulers
 from . import engines, inputs, wheels, zipapp
@@ -115,6 +116,7 @@ def main(ns: dict, events) -> int:
                 raise UsageError(f"{out.parent / fname} already exists; pack never overwrites", f"spillpack pack ... -o {ns['output']}-2")
     inv = job_invocation(rest)
     nodes, per_node = schedulers.check_group(ns.get("nodes"), ns.get("gpus_per_node"), inv.command, inv.options.get("engine"), kinds)
+    check_inputs(inv)  # the data as the runtime will parse it: never pack a job it would refuse
     python = _python(ns.get("python"))
     platforms = sorted({wheels.check_tag(t) for t in ns.get("platform") or [wheels.host_tag()]})
     with_torch, with_mlx = ns.get("with_torch"), bool(ns.get("with_mlx"))
