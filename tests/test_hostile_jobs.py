@@ -290,6 +290,7 @@ def test_15_a_fifo_is_refused_not_waited_on(home, tmp_path):
 
 def test_15_dev_zero_is_refused(home, tmp_path):
     one_line(tune("/dev/zero", tmp_path / "s", timeout=120), "/dev/zero is not a regular file")
+    one_line(run_cli(["tune", "--config", "/dev/zero"], timeout=120), "config /dev/zero is not a regular file")
 
 
 def test_15_a_line_longer_than_the_bound_is_refused(home, tmp_path):

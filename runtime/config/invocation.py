@@ -45,6 +45,8 @@ class Invocation:
 
 def read_config(path: str) -> dict:
     p = Path(path)
+    if p.exists() and not p.is_file():  # a FIFO would block forever, a device never end
+        raise SpillpackError(f"config {path} is not a regular file", f"spillpack tune tiny data.jsonl --emit-config job.json")
     try:
         raw = p.read_bytes()
     except OSError as e:

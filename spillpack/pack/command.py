@@ -116,7 +116,6 @@ def main(ns: dict, events) -> int:
                 raise UsageError(f"{out.parent / fname} already exists; pack never overwrites", f"spillpack pack ... -o {ns['output']}-2")
     inv = job_invocation(rest)
     nodes, per_node = schedulers.check_group(ns.get("nodes"), ns.get("gpus_per_node"), inv.command, inv.options.get("engine"), kinds)
-    check_inputs(inv)  # the data as the runtime will parse it: never pack a job it would refuse
     python = _python(ns.get("python"))
     platforms = sorted({wheels.check_tag(t) for t in ns.get("platform") or [wheels.host_tag()]})
     with_torch, with_mlx = ns.get("with_torch"), bool(ns.get("with_mlx"))
@@ -124,6 +123,7 @@ def main(ns: dict, events) -> int:
 
     values = {**inv.arguments, **inv.options}
     plan = inputs.plan(values, ns.get("include_weights", False))
+    check_inputs(inv)  # the data as the runtime will parse it: never pack a job it would refuse
     config = inv.to_config()
     for section in ("arguments", "options"):
         for k in config[section]:
