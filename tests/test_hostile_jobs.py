@@ -476,8 +476,9 @@ def test_20_every_try_names_flags_that_exist():
     them) names only flags some command takes: no --model, no --data."""
     import re
 
-    # Besides spillpack's own: run.sh's --verify, and pip download's flags in the wheel fetcher's advice.
-    known = _known_flags() | {"--help", "--version", "--debug", "--headless", "--verify", "--only-binary", "--python-version"}
+    # Besides spillpack's own: run.sh's --verify, pip download's flags in the wheel fetcher's advice, srun's.
+    known = _known_flags() | {"--help", "--version", "--debug", "--headless", "--verify", "--only-binary", "--python-version",
+             "--ntasks-per-node"}
     bad = []
     for path in [*REPO.glob("runtime/**/*.py"), *REPO.glob("spillpack/**/*.py")]:
         tree = ast.parse(path.read_text())
