@@ -26,9 +26,10 @@ created with `Store.create`, so when two processes run the same job at once exac
 wins each sequence number and the other stops with one line instead of interleaving.
 
 Every commit record carries the job's identity as job.json does, so a state whose job.json
-was lost or damaged is still checked against the job that opens it. A state with no commit
-holds no work: a job.json of another job there (left by a run that failed before its first
-commit) is replaced, so a corrected command is never refused.
+was lost or damaged is still checked against the job that opens it. A state whose every
+process failed before a first commit (nothing but job.json and its story, each process ending
+in a "failed" record) holds no work: another job's job.json there is replaced, so a corrected
+command is never refused.
 """
 
 import os
@@ -100,9 +101,9 @@ class JobState:
             if not self.store.create("job.json", body):
                 theirs = self._job_json()
         if theirs is not None and theirs != self.identity:
-            if commits:
+            if commits or not self._only_failed_runs():
                 self._check_identity(theirs)
-            else:  # nothing committed: what a failed run left claims nothing
+            else:  # what runs that failed before their first commit left claims nothing
                 self.store.write("job.json", body)
         self._next_seq = self._last_seq() + 1
         if log:
@@ -119,6 +120,17 @@ class JobState:
     def resync(self) -> None:
         """After another process won a commit: the next commit takes the sequence number after its."""
         self._next_seq = self._last_seq() + 1
+
+    def _only_failed_runs(self) -> bool:
+        """True when the state holds nothing but its claim and its story (job.json, invocation.json,
+        history/, progress/: no commit, no shards/ or stages/) and every process in that story
+        failed (its "failed" record): no work, and no job running or stopped there on purpose."""
+        story = ("history/", "progress/")
+        if any(k not in ("job.json", "invocation.json") and not k.startswith(story) for k in self.store.list("")):
+            return False
+        history = self.history()
+        writers = {r.get("writer") for r in history}
+        return bool(writers) and writers <= {r.get("writer") for r in history if r.get("what") == "failed"}
 
     def _job_json(self) -> dict | None:
         raw = self.store.read("job.json")
