@@ -106,6 +106,7 @@ def invocation(command: str, ns: dict, headless: bool = False, bundle=None) -> I
 def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str] | None = None) -> int:
     emit_path = ns.pop("emit_config", None)
     debug = bool(ns.get("debug"))
+    plan = ns.pop("plan", False)
     inv = invocation(command, ns, events.headless)
     if emit_path:
         from runtime.models.ref import check_model_tags
@@ -123,7 +124,8 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
     if bundle is not None:  # its files/... paths become absolute; readers check bundled bytes through it
         inv.bundle = bundle
         inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)
-    return importlib.import_module(COMMANDS[command].module).main(inv, events).code
+    module = importlib.import_module(COMMANDS[command].module)
+    return (module.plan_only(inv, events) if plan else module.main(inv, events)).code
 
 
 def _fail(err: SpillpackError, events: Events, debug: bool) -> int:

@@ -7,7 +7,7 @@ import sys
 import orjson
 
 from runtime import __version__
-from runtime.engines.hardware import ENGINE_NAMES, choose_engine, disk_free_gb, measure, memory_gb, probe
+from runtime.engines.hardware import ENGINE_NAMES, choose_engine, disk_free_gb, measure, memory_for, memory_gb, probe
 from runtime.paths import spillpack_home
 
 
@@ -31,6 +31,12 @@ def report(engine: str = "auto", measure_rates: bool = True) -> dict:
         chosen, why = choose_engine(engine)
     except Exception as e:
         chosen, why = None, str(e)
+    plan_gb, plan_from = (None, None)
+    if chosen:
+        try:
+            plan_gb, plan_from, _ = memory_for(chosen)
+        except Exception as e:  # a device that cannot say its free memory is worth saying, not crashing on
+            plan_from = f"unknown ({e})"
     return {
         "spillpack": __version__,
         "python": sys.version.split()[0],
@@ -44,6 +50,8 @@ def report(engine: str = "auto", measure_rates: bool = True) -> dict:
         "engines": engines,
         "engine": chosen,
         "engine_reason": why,
+        "plan_memory_gb": None if plan_gb is None else round(plan_gb, 1),  # what a tune here is sized against
+        "plan_memory_from": plan_from,
     }
 
 
@@ -63,5 +71,8 @@ def main(ns: dict, events) -> int:
         rate = f" ({e['matmul_gflops']} GFLOP/s matmul, {e['mem_gbps']} GB/s memory)" if "matmul_gflops" in e else ""
         lines.append(f"  {mark} {name:<11} {'usable' if e['usable'] else 'not usable'}: {e['detail']}{rate}")
     lines.append(f"a job here would use {r['engine']}: {r['engine_reason']}" if r["engine"] else f"no engine: {r['engine_reason']}")
+    if r["plan_memory_gb"] is not None:
+        lines.append(f"a tune here is sized for {r['plan_memory_gb']} GB ({r['plan_memory_from']}); "
+                     f"spillpack tune ... --plan shows a job's plan")
     print("\n".join(lines))
     return 0

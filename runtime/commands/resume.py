@@ -12,10 +12,10 @@ import orjson
 
 from runtime import launch
 from runtime.bootstrap.bundle import Bundle
-from runtime.config.commands import COMMANDS
+from runtime.config.commands import COMMANDS, options_for
 from runtime.config.options import SHARED
 from runtime.config.invocation import check_config, read_config, resolve
-from runtime.errors import SpillpackError
+from runtime.errors import SpillpackError, UsageError
 from runtime.state.store import local_file
 from runtime.state.store import open_store
 
@@ -59,6 +59,10 @@ def main(ns: dict, events) -> int:
     # The state it was given is the one it continues, wherever it was moved or copied to.
     given = {"state": ns.get("state") or state} if (ns.get("state") or state) else {}
     given.update({o.name: ns[o.name] for o in PER_RUN if ns.get(o.name) is not None})
+    known = {o.name for o in options_for(command)}
+    foreign = [o.flag_name for o in PER_RUN if ns.get(o.name) is not None and o.name not in known]
+    if foreign:
+        raise UsageError(f"{foreign[0]} is not an option of {command}", f"spillpack resume {ns['target']} without {foreign[0]}")
     inv = resolve(command, given, config=config, replay_per_run=False, headless=events.headless, debug=bool(ns.get("debug")),
                   bundle=bundle)
     events.command = command

@@ -55,7 +55,13 @@ def story(state: JobState, command: str | None = None) -> dict:
         done = 0  # steps or rows committed so far, as this process saw it
         for r in recs:
             what = r["what"]
-            if what == "resume":
+            if what == "plan":
+                proc["plan"] = {k: r.get(k) for k in ("micro_batch", "grad_accum", "grad_checkpoint", "estimated_peak_gb",
+                                                      "available_gb", "available_from")}
+                lines.append(f"  sized for {r.get('available_gb')} GB ({r.get('available_from')}): micro-batch "
+                             f"{r.get('micro_batch')} x {r.get('grad_accum')}, checkpointing {'on' if r.get('grad_checkpoint') else 'off'}, "
+                             f"about {r.get('estimated_peak_gb')} GB at the peak")
+            elif what == "resume":
                 done = r.get("step") or 0
                 proc["resumed_from"] = {"uri": r.get("uri"), unit: done}
                 lines.append(f"  resumed from {r.get('uri')} at {unit} {done}")

@@ -17,6 +17,7 @@ from runtime.errors import SpillpackError
 from runtime.jobs.metrics import METRICS
 
 ENGINES = ("auto", *ENGINE_NAMES)
+GRAD_CHECKPOINT = ("auto", "on", "off")
 # A job name is one path component (it names SPILLPACK_HOME/jobs/NAME) from a safe alphabet.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -147,8 +148,13 @@ TUNE = (
     Opt("schedule", "cosine", choices=("cosine", "constant"), help="learning-rate schedule after warmup"),
     Opt("warmup", 0, int, help="warmup steps", min=0),
     Opt("weight_decay", 0.0, float, help="AdamW weight decay", min=0),
-    Opt("batch", 4, int, help="sequences per micro-batch", min=1),
+    Opt("batch", 4, int, help="sequences per micro-batch (may be split to fit memory; --batch x --grad-accum is kept)", min=1),
     Opt("grad_accum", 1, int, help="micro-batches per optimizer step", min=1),
+    Opt("grad_checkpoint", "auto", choices=GRAD_CHECKPOINT, per_run=True,
+        help="recompute each decoder layer's activations in backward instead of keeping them; auto: only when the plan needs it"),
+    Opt("max_mem_gb", None, float, per_run=True, above=0, metavar="N",
+        help="plan the step for at most N GB (default: the memory this machine's engine has free)"),
+    Opt("plan", False, flag=True, in_config=False, help="print the memory plan (micro-batch, checkpointing, peak) and exit"),
     Opt("max_seq", 2048, int, help="longest sequence; longer ones are dropped and counted", min=2),
     Opt("seed", 0, int, help="seed for LoRA init and batch order", min=0),
     Opt("ckpt_every", 50, int, help="commit a checkpoint every N steps", min=1),

@@ -96,12 +96,13 @@ class Job:
     PROGRESS_EVERY_S = 1.0
 
     @classmethod
-    def open(cls, inv, identity: dict, events: Events, shard: dict | None = None) -> "Job":
+    def open(cls, inv, identity: dict, events: Events, shard: dict | None = None, upgrade=None) -> "Job":
         """Open the job that `inv` (a resolved Invocation) describes. The resolved config is kept
         in the state so `spillpack resume STATE` can run the job again from its state alone.
         `shard`: the identity of the shard this process does (its "shard" key is the index);
         the job's state is claimed first, so a shard of another job is refused before anything
-        is written, and the process works in the shard's state (runtime/jobs/shards.py)."""
+        is written, and the process works in the shard's state (runtime/jobs/shards.py).
+        `upgrade(old_identity, uri)` reads an identity written by an older version (JobState)."""
         o = inv.options
         engine_name, reason = choose_engine(o.get("engine"))
         events.engine = engine_name
@@ -109,7 +110,7 @@ class Job:
         uri = o.get("state") or default_state_uri(o["name"])
         state = root = None
         if group is None or group.writer:
-            root = JobState(open_store(uri), identity, engine=engine_name)
+            root = JobState(open_store(uri), identity, engine=engine_name, upgrade=upgrade)
             root.open(log=shard is None, **({"world": group.world, "hosts": group.hosts} if group else {}))
             state = root
             if shard is not None:

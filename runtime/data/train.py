@@ -145,26 +145,36 @@ def epoch_batches(lengths: list[int], batch: int, seed: int, epoch: int) -> list
 
 
 class BatchOrder:
-    """Micro-batch k of the whole run, across epochs; step s uses k in [s*ga, (s+1)*ga)."""
+    """The examples of each optimizer step across epochs, and how a step is cut into micro-batches.
+
+    The order groups examples by the effective batch (--batch x --grad-accum): step s takes
+    group s of the run, a pure function of (seed, epoch, step). The micro-batch size only cuts
+    a step's examples into consecutive pieces, so a step sees the same examples whether it runs
+    4 x 1, 2 x 2 or 1 x 4: the micro-batch size is not part of the job, the effective batch is.
+    """
 
     def __init__(self, lengths: list[int], batch: int, grad_accum: int, seed: int):
         self.lengths, self.batch, self.grad_accum, self.seed = lengths, batch, grad_accum, seed
-        self.per_epoch = math.ceil(len(lengths) / batch)
+        self.effective = batch * grad_accum
+        self.per_epoch = math.ceil(len(lengths) / self.effective)  # steps per epoch
         self._cache: dict[int, list[list[int]]] = {}
 
     def steps_for(self, steps: int | None, epochs: float | None) -> int:
         if steps is not None:
             return steps
-        return max(1, math.ceil((epochs or 1.0) * self.per_epoch / self.grad_accum))
+        return max(1, math.ceil((epochs or 1.0) * self.per_epoch))
 
-    def micro_batches(self, step: int) -> list[list[int]]:
-        out = []
-        for k in range(step * self.grad_accum, (step + 1) * self.grad_accum):
-            epoch, i = divmod(k, self.per_epoch)
-            if epoch not in self._cache:
-                self._cache = {epoch: epoch_batches(self.lengths, self.batch, self.seed, epoch)}
-            out.append(self._cache[epoch][i])
-        return out
+    def step_examples(self, step: int) -> list[int]:
+        epoch, i = divmod(step, self.per_epoch)
+        if epoch not in self._cache:
+            self._cache = {epoch: epoch_batches(self.lengths, self.effective, self.seed, epoch)}
+        return self._cache[epoch][i]
+
+    def micro_batches(self, step: int, size: int | None = None) -> list[list[int]]:
+        """Step `step`'s examples, `size` (default --batch) at a time."""
+        size = size or self.batch
+        examples = self.step_examples(step)
+        return [examples[i:i + size] for i in range(0, len(examples), size)]
 
 
 def collate(examples: list[Example], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

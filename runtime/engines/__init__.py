@@ -12,6 +12,7 @@
         adapter() -> dict[str, np.ndarray]  canonical LoRA tensors
         merged_weights() -> dict[str, np.ndarray]  base + scale * B @ A, HF names, float32
         pad_id
+        grad_checkpoint                     settable: recompute each decoder layer in backward
     load_model(model_dir, adapter=None) -> the engine's model; model.make_decoder(slots, max_len)
                                         gives the Decoder runtime.generation's Generator drives
     generator(model_dir, tokenizer, adapter, slots, max_len) -> runtime.generation.Generator

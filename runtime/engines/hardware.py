@@ -143,3 +143,30 @@ def disk_free_gb(path=None) -> float:
     while not os.path.exists(path):
         path = os.path.dirname(path) or "."
     return shutil.disk_usage(path).free / 2**30
+
+
+def memory_for(engine: str, cap_gb: float | None = None) -> tuple[float, str, float]:
+    """(GB a job may plan for, where that figure comes from, GB the process already holds that
+    the plan must count). A host engine's plan counts this process's resident memory (interpreter,
+    framework, tokenizer, data) and may use it plus what the machine has available; a GPU's plan
+    is its free memory, with the CUDA context counted by the planner."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss / 2**30
+    if engine == "torch-cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        available, source, held = free / 2**30, "free GPU memory", 0.0
+    else:
+        available, source, held = psutil.virtual_memory().available / 2**30 + rss, "available memory", rss
+        if engine == "mlx":
+            import mlx.core as mx
+
+            if mx.default_device() == mx.gpu:  # unified memory: Metal's working-set limit is the ceiling
+                limit = mx.device_info().get("max_recommended_working_set_size")
+                if limit:
+                    available, source = min(available, limit / 2**30), "Metal working set"
+    if cap_gb is not None:
+        available, source = cap_gb, "--max-mem-gb"
+    return available, source, held

@@ -27,7 +27,9 @@ from runtime.engines import OptimSpec, get_engine
 from runtime.core.job import Job, Outcome
 from runtime.models.ref import resolve_model
 from runtime.core.signals import Abandon
+from runtime.engines.hardware import choose_engine
 from runtime.errors import SpillpackError
+from runtime.jobs.sizing import plan_tune
 from runtime.state.store import check_output, open_store
 from runtime.models.tokenizer import Tokenizer
 
@@ -44,7 +46,8 @@ def learning_rate(step: int, total: int, peak: float, warmup: int, schedule: str
     return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def main(inv, events) -> Outcome:
+def prepare(inv):
+    """Everything a tune decides before its state is opened or a weight is loaded."""
     a, o = inv.arguments, inv.options
     model_dir = resolve_model(a["model"], o.get("weights"))
     tokenizer = Tokenizer.from_dir(model_dir.path)
@@ -56,22 +59,52 @@ def main(inv, events) -> Outcome:
         check_output(o["out"], directory=True)
     order = BatchOrder([len(e.ids) for e in data.examples], o["batch"], o["grad_accum"], o["seed"])
     total = order.steps_for(o.get("steps"), o.get("epochs"))
+    engine_name, reason = choose_engine(o.get("engine"))
+    engine = get_engine(engine_name)
+    # Sized before the state is opened: a job refused here leaves no state behind that would
+    # refuse the corrected command (a shorter --max-seq is another job).
+    plan = plan_tune(engine_name, engine, model_dir, spec, data, order, total, o)
+    return model_dir, tokenizer, data, spec, tensors, order, total, engine, plan
 
+
+def plan_only(inv, events) -> Outcome:
+    """`spillpack tune ... --plan`: the memory plan, without running."""
+    model_dir, _, data, _, _, _, total, engine, plan = prepare(inv)
+    if events.headless:
+        events.engine = engine.name
+        events.emit("plan", steps=total, message=plan.describe(), candidates=plan.candidates(), **plan.to_dict())
+    else:
+        e = plan.estimate
+        print(f"tune {inv.arguments['model']} on {engine.name}: {total} steps of {inv.options['batch']}x{inv.options['grad_accum']}\n"
+              f"plan: {plan.describe()}\n"
+              f"  weights {e.weights_gb:.2f} GB, LoRA + AdamW {e.lora_gb:.3f} GB, activations kept {e.activations_gb:.2f} GB, "
+              f"backward {e.backward_gb:.2f} GB, runtime {e.runtime_gb:.2f} GB\n"
+              + "\n".join(f"  candidate: micro-batch {c['micro_batch']}, checkpointing {'on' if c['grad_checkpoint'] else 'off'}: "
+                          f"{c['estimated_peak_gb']} GB" for c in plan.candidates()))
+    return Outcome(0, False, plan.to_dict())
+
+
+def main(inv, events) -> Outcome:
+    a, o = inv.arguments, inv.options
+    model_dir, tokenizer, data, spec, tensors, order, total, engine, plan = prepare(inv)
     identity = {
         "command": "tune",
         "model": model_dir.fingerprint(),
         "data_sha256": data.sha256,
         "steps": total,
+        "effective_batch": o["batch"] * o["grad_accum"],  # the micro-batch size is not the job: a plan may split it
         **{k: o[k] for k in ("rank", "alpha", "targets", "dropout", "lr", "schedule", "warmup", "weight_decay",
-                             "batch", "grad_accum", "max_seq", "seed")},
+                             "max_seq", "seed")},
     }
-    with Job.open(inv, identity, events) as job:
-        engine = get_engine(job.engine_name)
+    with Job.open(inv, identity, events, upgrade=upgrade_identity) as job:
+        if job.writer:
+            job.state.log("plan", **plan.to_dict())
         latest = job.state.latest_checkpoint() if job.writer else None
         restored, abandoned = None, False
         try:
             with job.preemption.setup():
                 session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]))
+                session.grad_checkpoint = plan.grad_checkpoint
                 session.pad_id = tokenizer.pad_token_id or 0
                 if latest is not None:
                     restored = {"step": latest.step, "losses": restored_losses(job.state, latest), "uri": job.state.commit_uri(latest),
@@ -82,19 +115,21 @@ def main(inv, events) -> Outcome:
             return job.preempted(latest.step if latest else 0, abandoned_quantum=True)
         if job.group is not None:  # only rank 0 reads the state: the others start from its checkpoint
             restored = job.group.from_writer(restored)
-        work = TuneWork(job, engine, session, data, order, total, o, identity)
+        work = TuneWork(job, engine, session, data, order, total, o, identity, plan.micro_batch)
         if restored is not None:
             session.load(restored["tensors"], restored["step"])
             work.restore(restored["step"], restored["losses"])
             job.restored(restored["step"], restored["uri"])
 
-        tokens_per_step = sum(len(data.examples[i].ids) for mb in order.micro_batches(0) for i in mb)
+        tokens_per_step = sum(len(data.examples[i].ids) for i in order.step_examples(0))
         est = engine_estimate(model_dir.config, tokens_per_step * max(0, total - work.done))
         events.emit("start", step=work.done, job=o["name"], model=a["model"], placement=f"{job.engine_name}: {job.engine_reason}",
                     state=job.state_uri, estimated_seconds=est, steps=total,
+                    estimated_peak_gb=round(plan.estimate.peak_gb, 3), memory_gb=round(plan.available_gb, 3),
+                    memory_from=plan.available_from, micro_batch=plan.micro_batch, grad_checkpoint=plan.grad_checkpoint,
                     message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "
                             f"({len(data.examples)} examples, {data.dropped_long} longer than --max-seq dropped) on {job.engine_name}, "
-                            f"about {_fmt(est)}; state at {job.state_uri}")
+                            f"about {_fmt(est)}; {plan.describe()}; state at {job.state_uri}")
         stopped = job.run(work, o.get("stop_after"))
         if stopped is not None:
             return stopped
@@ -106,13 +141,29 @@ def main(inv, events) -> Outcome:
         return job.done(work.done, complete, **summary)
 
 
+def upgrade_identity(old: dict, uri: str) -> dict:
+    """States written before the effective batch became the identity named --batch and
+    --grad-accum. With --grad-accum 1 their batch order is this version's, so they continue;
+    with more it grouped examples by --batch, which this version does not reproduce."""
+    if "effective_batch" in old or "batch" not in old:
+        return old
+    if old.get("grad_accum", 1) != 1:
+        raise SpillpackError(f"state {uri} was written by an older spillpack with --grad-accum {old['grad_accum']}, "
+                             f"whose batch order this version does not reproduce",
+                             f"another --state to run the job again (or delete {uri} to start over)")
+    new = {k: v for k, v in old.items() if k not in ("batch", "grad_accum")}
+    new["effective_batch"] = old["batch"]
+    return new
+
+
 class TuneWork:
     """The tune loop's quanta: one optimizer step each. A checkpoint holds the LoRA tensors, the
     AdamW moments and the losses so far; the data cursor is the step itself."""
 
-    def __init__(self, job, engine, session, data, order, total: int, o: dict, identity: dict):
+    def __init__(self, job, engine, session, data, order, total: int, o: dict, identity: dict, micro_batch: int):
         self.job, self.engine, self.session = job, engine, session
         self.data, self.order, self.total, self.o, self.identity = data, order, total, o, identity
+        self.micro_batch = micro_batch  # rows per forward/backward, from the memory plan
         self.done = self.committed = 0
         self.losses: list[float] = []
         self._t0, self._result, self._targets = 0.0, None, 0
@@ -127,7 +178,7 @@ class TuneWork:
 
     def quantum(self) -> None:
         self._t0 = time.perf_counter()
-        step = self.order.micro_batches(self.done)
+        step = self.order.micro_batches(self.done, self.micro_batch)
         examples = self.data.examples
         # Every rank divides by the whole step's target count, so the ranks' gradients sum to the step's.
         self._targets = sum(sum(examples[i].mask[1:]) for mb in step for i in mb)

@@ -1,8 +1,10 @@
 """Checkpoint files, framework-neutral: which safetensors make up a model, their headers, and
 the strict name-and-shape check every engine applies before loading.
 
-Nothing here reads a tensor: the engines load the files with their own framework, then hand
-the names and shapes back to `check_weights`.
+`read_tensors` reads a file one tensor at a time (positioned reads into a buffer of the
+tensor's own size, no mapping of the whole file), so an engine that converts each tensor to
+its dtype before reading the next holds one copy of the weights, in the target dtype, plus
+one tensor: the peak host memory while loading (measured in benchmarks/bench_memory.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+
+import numpy as np
 
 from runtime.errors import SpillpackError
 
@@ -44,6 +48,48 @@ def read_safetensors_header(f: Path) -> bytes:
     except (OSError, struct.error, ValueError) as e:
         raise SpillpackError(f"{f} is not a readable safetensors file ({e})", f"re-download the weights into {f.parent}")
     return header
+
+
+# safetensors dtype -> numpy dtype of the same width; bfloat16 travels as its raw 16 bits and
+# the engine reinterprets them (numpy has no bfloat16).
+_NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64, "I32": np.int32,
+          "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def tensor_shapes(files) -> dict[str, tuple]:
+    """name -> shape of every tensor in the files, from their headers alone."""
+    out = {}
+    for f in files:
+        out.update({k: tuple(v["shape"]) for k, v in json.loads(read_safetensors_header(f)).items() if k != "__metadata__"})
+    return out
+
+
+def read_tensors(files):
+    """(name, safetensors dtype, numpy array) for each tensor, one at a time, in file order."""
+    for f in files:
+        raw = read_safetensors_header(f)
+        header, start = json.loads(raw), 8 + len(raw)
+        entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0])
+        with open(f, "rb", buffering=0) as fh:
+            for name, info in entries:
+                kind = _NUMPY.get(info["dtype"])
+                if kind is None:
+                    raise SpillpackError(f"{f}: tensor {name} has dtype {info['dtype']}, which spillpack does not read",
+                                         "a checkpoint in float32, float16 or bfloat16")
+                lo, hi = info["data_offsets"]
+                array = np.empty(tuple(info["shape"]), dtype=kind)
+                view = memoryview(array.reshape(-1).view(np.uint8))
+                if array.nbytes != hi - lo:
+                    raise SpillpackError(f"cannot read {f}: tensor {name} has {hi - lo} bytes for shape {info['shape']}",
+                                         f"re-download the weights into {f.parent}")
+                fh.seek(start + lo)
+                got = 0
+                while got < len(view):
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        raise SpillpackError(f"cannot read {f}: it ends inside tensor {name} (truncated)", f"re-download the weights into {f.parent}")
+                    got += n
+                yield name, info["dtype"], array
 
 
 def check_weights(expected: dict, got: dict, files, model_dir) -> None:

@@ -66,9 +66,10 @@ class StateConflict(SpillpackError):
 
 
 class JobState:
-    def __init__(self, store: Store, identity: dict, engine: str | None = None):
+    def __init__(self, store: Store, identity: dict, engine: str | None = None, upgrade=None):
         self.store = store
         self.identity = identity
+        self.upgrade = upgrade  # (identity in job.json, uri) -> today's form, or a SpillpackError
         self.engine = engine
         self.writer = uuid.uuid4().hex[:8]
         self.host = socket.gethostname()
@@ -147,6 +148,8 @@ class JobState:
         return theirs
 
     def _check_identity(self, theirs: dict) -> None:
+        if self.upgrade is not None:
+            theirs = self.upgrade(theirs, self.uri)
         a, b = theirs.get("command"), self.identity.get("command")
         if a != b:
             raise SpillpackError(f"state {self.uri} holds a {a} job, not a {b} job",

@@ -84,6 +84,15 @@ class MLXTrainSession:
         module, which = name.rsplit(".lora_", 1)
         return getattr(self.loras[module], "lora_" + which.split(".")[0])
 
+    @property
+    def grad_checkpoint(self) -> bool:
+        """Per-layer activation checkpointing (the decoder's shared layer loop runs it)."""
+        return self.model.model.grad_checkpoint
+
+    @grad_checkpoint.setter
+    def grad_checkpoint(self, on: bool) -> None:
+        self.model.model.grad_checkpoint = bool(on)
+
     def forward_backward(self, micro_batches, total_targets: int) -> tuple[float, int]:
         """Accumulate gradients for one optimizer step. Abandonable: it only touches self.grads."""
         loss_sum, tokens = 0.0, 0

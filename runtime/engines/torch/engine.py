@@ -66,6 +66,15 @@ class TorchTrainSession:
         self.model.train(spec.dropout > 0)
         self.pad_id = 0
 
+    @property
+    def grad_checkpoint(self) -> bool:
+        """Per-layer activation checkpointing (the decoder's shared layer loop runs it)."""
+        return self.model.model.grad_checkpoint
+
+    @grad_checkpoint.setter
+    def grad_checkpoint(self, on: bool) -> None:
+        self.model.model.grad_checkpoint = bool(on)
+
     def forward_backward(self, micro_batches, total_targets: int) -> tuple[float, int]:
         """Accumulate gradients for one optimizer step. Abandonable: it only touches .grad."""
         loss_sum, tokens = 0.0, 0
@@ -137,6 +146,22 @@ class TorchTrainSession:
         return sd
 
 
+def return_freed_memory(threshold: int = 1 << 20) -> None:
+    """Have glibc give tensors of `threshold` bytes or more their own mappings, returned to the
+    system when freed. By default glibc raises that threshold to the size of the last freed
+    block (up to 32 MB), so a step's activations land on the heap and stay resident after they
+    are freed: measured on a 100M model at 4 x 1018 tokens, the resident peak was 3.1 GB with
+    checkpointing where the tensors alive never exceeded 1.9 GB. Elsewhere (macOS, musl) a no-op."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (fixing it also stops the dynamic raise)
+    except (OSError, AttributeError):
+        pass
+
+
 class TorchEngine:
     def __init__(self, name: str):
         self.name = name
@@ -146,6 +171,7 @@ class TorchEngine:
         else:
             self.device = torch.device("cpu")
             self.base_dtype = torch.float32
+            return_freed_memory()
 
     def train_session(self, model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec) -> TorchTrainSession:
         return TorchTrainSession(self, model_dir, spec, tensors, opt)

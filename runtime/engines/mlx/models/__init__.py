@@ -8,22 +8,23 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from runtime.errors import SpillpackError
 from runtime.models.arch import architecture
-from runtime.models.weights import check_weights, weight_files
+from runtime.models.weights import check_weights, read_tensors, weight_files
 
 if TYPE_CHECKING:
     from runtime.models.ref import ModelDir
 
 
 def load_weights(files, dtype) -> dict:
+    """Tensor by tensor: each is converted and evaluated before the next is read, so the host
+    never holds the file's copy beside the converted one."""
     weights = {}
-    for f in files:
-        try:
-            tensors = mx.load(str(f))
-        except (ValueError, RuntimeError, OSError) as e:
-            raise SpillpackError(f"cannot read {f}: {e}", f"re-download the weights into {f.parent}")
-        weights.update({k: v.astype(dtype) for k, v in tensors.items()})
+    for name, kind, array in read_tensors(files):
+        t = mx.array(array)
+        if kind == "BF16":
+            t = t.view(mx.bfloat16)
+        weights[name] = t.astype(dtype)
+        mx.eval(weights[name])
     return weights
 
 

@@ -158,8 +158,21 @@ def build_mask(positions: np.ndarray, span: int, window: int | None):
     return mx.array(allowed)
 
 
+def checkpointed(layer, x, *args):
+    """The layer's output with its activations recomputed in backward instead of kept: the
+    layer's trainable parameters go through mx.checkpoint as inputs, so their gradients flow."""
+
+    def run(params, x):
+        layer.update(params)
+        return layer(x, *args)
+
+    return mx.checkpoint(run)(layer.trainable_parameters(), x)
+
+
 class LlamaModel(nn.Module):
     block, norm_class = TransformerBlock, nn.RMSNorm  # a family swaps in its own
+    # Per-layer activation checkpointing in training (the same computation run again in backward).
+    grad_checkpoint = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -193,7 +206,10 @@ class LlamaModel(nn.Module):
         rotations = {t: r(positions, x.dtype) for t, r in self._rotary.items()}
         for i, layer in enumerate(self.layers):
             cos, sin = rotations[layer.self_attn.layer_type]
-            x = layer(x, cos, sin, masks[layer.self_attn.window], cache, i, slots, span)
+            if self.grad_checkpoint and cache is None:
+                x = checkpointed(layer, x, cos, sin, masks[layer.self_attn.window])
+            else:
+                x = layer(x, cos, sin, masks[layer.self_attn.window], cache, i, slots, span)
         if cache is not None:
             cache.lengths += T
         return self.norm(x)

@@ -6,25 +6,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from runtime.errors import SpillpackError
 from runtime.models.arch import architecture
-from runtime.models.weights import check_weights, weight_files
+from runtime.models.weights import check_weights, read_tensors, weight_files
 
 if TYPE_CHECKING:
     from runtime.models.ref import ModelDir
 
 
 def load_weights(files, dtype, device) -> dict:
+    """Tensor by tensor: each is converted (and moved) before the next is read, so the host
+    never holds the file's copy beside the converted one."""
     weights = {}
-    for f in files:
-        try:
-            tensors = load_file(f, device=str(device))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise SpillpackError(f"cannot read {f}: {e}", f"re-download the weights into {f.parent}")
-        weights.update({k: v.to(dtype) for k, v in tensors.items()})
+    for name, kind, array in read_tensors(files):
+        t = torch.from_numpy(array)
+        if kind == "BF16":
+            t = t.view(torch.bfloat16)
+        weights[name] = t.to(device=device, dtype=dtype)
     return weights
 
 

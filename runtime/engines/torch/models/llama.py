@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch.utils.checkpoint import checkpoint
+
 from runtime.models.args import ModelArgs, rope
 
 
@@ -204,6 +206,10 @@ def build_mask(T: int, S: int, offsets, attn_mask, device, window: int | None = 
 
 class LlamaModel(nn.Module):
     block, norm_class = TransformerBlock, RMSNorm  # a family swaps in its own
+    # Per-layer activation checkpointing in training: keep each layer's input only and run the
+    # layer again in backward. The recomputation runs the same kernels on the same inputs (and
+    # replays the RNG for dropout), so losses and gradients are unchanged.
+    grad_checkpoint = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -244,7 +250,10 @@ class LlamaModel(nn.Module):
         rotations = {t: r(positions, x.dtype) for t, r in self.rotary.items()}
         for i, layer in enumerate(self.layers):
             cos, sin = rotations[layer.self_attn.layer_type]
-            x = layer(x, cos, sin, masks[layer.self_attn.window], cache, i, slots, span)
+            if self.grad_checkpoint and cache is None and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, masks[layer.self_attn.window], use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, masks[layer.self_attn.window], cache, i, slots, span)
         if cache is not None:
             cache.lengths += T
         return self.norm(x)

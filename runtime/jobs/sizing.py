@@ -1,0 +1,48 @@
+"""A tune's memory plan before any weight is loaded: the job's micro-batches from its batch
+order, the weights' size from the safetensors headers, the engine's dtype and the memory this
+machine (or --max-mem-gb) gives, handed to the framework-neutral planner (runtime.models.memory)."""
+
+from __future__ import annotations
+
+import math
+
+from runtime.engines.hardware import memory_for
+from runtime.errors import SpillpackError
+from runtime.models.memory import CUDA_CONTEXT_GB, STEP_RUNTIME_GB, Batch, Plan, fit
+from runtime.models.weights import tensor_shapes, weight_files
+
+
+def job_batches(data, order, total: int, size: int) -> list[Batch]:
+    """The micro-batches the job runs when each step's examples go `size` at a time, as the
+    shapes that can set a peak: those no other one exceeds in tokens, targets and length."""
+    targets = [sum(e.mask[1:]) for e in data.examples]
+    most: dict[tuple[int, int], int] = {}
+    for step in range(total):
+        for mb in order.micro_batches(step, size):
+            key = (len(mb), max(len(data.examples[i].ids) for i in mb))
+            most[key] = max(most.get(key, 0), sum(targets[i] for i in mb))
+    shapes = [Batch(r, s, t) for (r, s), t in most.items()]
+    return [b for b in shapes if not any(o != b and o.tokens >= b.tokens and o.targets >= b.targets and o.seq >= b.seq
+                                         for o in shapes)]
+
+
+def dtype_bytes(engine) -> int:
+    dtype = engine.base_dtype
+    return int(getattr(dtype, "itemsize", None) or dtype.size)
+
+
+def plan_tune(engine_name: str, engine, model_dir, spec, data, order, total: int, o: dict) -> Plan:
+    """The plan the job runs under, or NoFit (one line naming what would fit)."""
+    mode = o.get("grad_checkpoint") or "auto"
+    if spec.dropout > 0:
+        # Measured on tiny: with LoRA dropout the recomputed layers do not reproduce the forward's
+        # dropout masks (losses differ from the second step), so checkpointing would change results.
+        if mode == "on":
+            raise SpillpackError(f"--grad-checkpoint on does not yet give the same results with --dropout {spec.dropout}",
+                                 "spillpack tune ... --grad-checkpoint auto (or --dropout 0)")
+        mode = "off"
+    available, source, held = memory_for(engine_name, o.get("max_mem_gb"))
+    runtime_gb = CUDA_CONTEXT_GB if engine_name == "torch-cuda" else held + STEP_RUNTIME_GB
+    params = sum(math.prod(shape) for shape in tensor_shapes(weight_files(model_dir.path)).values())
+    return fit(model_dir.config, spec.targets, spec.rank, dtype_bytes(engine), lambda m: job_batches(data, order, total, m),
+               o["batch"], o["grad_accum"], mode, available, source, runtime_gb, params, o["max_seq"])

@@ -1,0 +1,239 @@
+"""The memory planner: the peak memory of a tune step, predicted before any weight is loaded.
+
+Framework-neutral (no torch, no mlx): it counts what a step keeps alive from the model's
+config.json, the LoRA spec, AdamW, the base dtype and the micro-batches the job will run
+(the batch order is known in advance, so the longest one is known too). The counts follow
+what the engines' autograd keeps for backward through a frozen base with LoRA adapters:
+
+- weights: every base parameter in the base dtype (frozen: no gradients, no moments);
+- LoRA: adapter tensors, their gradients and AdamW's two moments, float32;
+- activations, per token and decoder layer: the inputs of both norms, q/k/v and the
+  attention output kept by the fused attention kernel, the MLP's gate, its activation and
+  up projection, and whatever the adapted linears keep (their input, and x A^T);
+  with checkpointing only each layer's input is kept, plus one layer's activations while
+  it is recomputed in backward;
+- logits: only the positions with loss are projected, float32, alive together with the
+  log-softmax and its gradient at the start of backward;
+- runtime: what the process holds before the model (interpreter, framework, tokenizer, data)
+  and what its first step adds, on a host engine; the CUDA context on a GPU.
+
+`fit` then chooses, for --grad-checkpoint auto|on|off, the micro-batch size and whether to
+checkpoint so the plan fits the memory available, or says what would fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.errors import SpillpackError
+from runtime.models.arch import architecture
+
+GB = 2**30
+# Measured on torch-cpu float32 (tests/test_memory.py): what a step allocates beyond the counted
+# activations (autograd's bookkeeping, kernel workspaces, the allocator's rounding), as a share of them.
+SLACK = 0.05
+STEP_RUNTIME_GB = 0.1  # what a host process adds at its first step (thread pools, kernels), measured on torch-cpu
+CUDA_CONTEXT_GB = 0.5  # the CUDA context and cuBLAS workspaces, not in the allocator's count
+MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A micro-batch as a step runs it: rows x padded length, and the positions with loss."""
+
+    rows: int
+    seq: int
+    targets: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.seq
+
+
+@dataclass(frozen=True)
+class Estimate:
+    weights_gb: float
+    lora_gb: float
+    activations_gb: float  # what the forward keeps for backward
+    backward_gb: float  # on top of it at the worst moment of backward: logits or a recomputed layer
+    runtime_gb: float
+
+    @property
+    def peak_gb(self) -> float:
+        return self.weights_gb + self.lora_gb + self.activations_gb + self.backward_gb + self.runtime_gb
+
+    def parts(self) -> dict:
+        return {"weights_gb": round(self.weights_gb, 3), "lora_gb": round(self.lora_gb, 3),
+                "activations_gb": round(self.activations_gb, 3), "backward_gb": round(self.backward_gb, 3),
+                "runtime_gb": round(self.runtime_gb, 3)}
+
+
+@dataclass
+class Plan:
+    micro_batch: int  # rows per forward/backward; the job's --batch x --grad-accum is unchanged
+    grad_checkpoint: bool
+    estimate: Estimate
+    longest: Batch  # the micro-batch that sets the peak
+    available_gb: float
+    available_from: str  # "--max-mem-gb", "free GPU memory", "available host memory"
+    batch: int = 0  # the job's --batch and --grad-accum, for the description
+    grad_accum: int = 1
+    tried: list = field(default_factory=list)
+
+    @property
+    def split(self) -> bool:
+        return self.micro_batch != self.batch
+
+    @property
+    def accum(self) -> int:
+        """Micro-batches a step runs: the effective batch over the micro-batch size."""
+        return -(-self.batch * self.grad_accum // self.micro_batch)
+
+    def describe(self) -> str:
+        ckpt = "checkpointing on" if self.grad_checkpoint else "checkpointing off"
+        split = (f"micro-batch {self.micro_batch} x {self.accum} (split from {self.batch} x {self.grad_accum})"
+                 if self.split else f"micro-batch {self.micro_batch} x {self.accum}")
+        return (f"{split}, {ckpt}: about {self.estimate.peak_gb:.1f} GB at the longest micro-batch "
+                f"({self.longest.rows} x {self.longest.seq} tokens) of {self.available_gb:.1f} GB ({self.available_from})")
+
+    def to_dict(self) -> dict:
+        return {"micro_batch": self.micro_batch, "grad_accum": self.accum, "grad_checkpoint": self.grad_checkpoint,
+                "estimated_peak_gb": round(self.estimate.peak_gb, 3), "available_gb": round(self.available_gb, 3),
+                "available_from": self.available_from, "longest": [self.longest.rows, self.longest.seq, self.longest.targets],
+                **self.estimate.parts()}
+
+    def candidates(self) -> list[dict]:
+        return [{"micro_batch": p.micro_batch, "grad_checkpoint": p.grad_checkpoint, "estimated_peak_gb": round(p.estimate.peak_gb, 3)}
+                for p in self.tried]
+
+
+def _args(config: dict):
+    return architecture(config).args.from_dict(config)
+
+
+def base_params(config: dict) -> int:
+    """Parameters of the base model from its config (used when no weights are at hand)."""
+    a = _args(config)
+    d, hd, L = a.hidden_size, a.head_dim, a.num_hidden_layers
+    q, kv = a.num_attention_heads * hd, a.num_key_value_heads * hd
+    attn = d * (q + 2 * kv) + q * d + (q + 2 * kv if a.attention_bias else 0)
+    experts = getattr(a, "num_experts", 0)
+    if experts:
+        mlp = experts * 3 * d * a.moe_intermediate_size + experts * d
+    else:
+        mlp = 3 * d * a.intermediate_size
+    embed = a.vocab_size * d * (1 if a.tie_word_embeddings else 2)
+    return L * (attn + mlp + 2 * d) + embed + d
+
+
+def _mlp_width(a) -> int:
+    """The MLP's hidden width a token goes through (the routed experts' for a MoE)."""
+    if getattr(a, "num_experts", 0):
+        return a.num_experts_per_tok * a.moe_intermediate_size
+    return a.intermediate_size
+
+
+def layer_bytes_per_token(config: dict, targets: tuple, rank: int, act_bytes: int, checkpointed: bool) -> tuple[float, float]:
+    """(kept for backward, transient in backward) bytes per token of one decoder layer."""
+    a = _args(config)
+    d, hd = a.hidden_size, a.head_dim
+    q, kv = a.num_attention_heads * hd, a.num_key_value_heads * hd
+    inter = _mlp_width(a)
+    lin = a.lora_linears()
+    adapted = {n: shape for n, shape in lin.items() if n.split(".")[-1] in targets}
+    names = {n.split(".")[-1] for n in adapted}
+    kept = d + (q + 2 * kv) + q + d + 3 * inter  # norm inputs, q/k/v, attention output, MLP
+    if names & {"q_proj", "k_proj", "v_proj", "qkv_proj"}:
+        kept += d  # the normed input the adapters read
+    if "o_proj" in names:
+        kept += q  # the attention output reshaped for o_proj
+    if names & {"gate_proj", "up_proj", "gate_up_proj"}:
+        kept += d
+    if "down_proj" in names:
+        kept += inter
+    if getattr(a, "num_experts", 0):
+        kept += a.num_experts  # router logits
+    kept_bytes = kept * act_bytes + sum(4 * rank + (4 * i if act_bytes != 4 else 0) for i, _ in adapted.values())
+    transient = (3 * inter + 2 * d) * act_bytes  # gradients of the MLP's intermediates and the residual
+    return kept_bytes, transient
+
+
+def estimate(config: dict, targets: tuple, rank: int, act_bytes: int, batch: Batch, grad_checkpoint: bool,
+             runtime_gb: float, params: int | None = None) -> Estimate:
+    """The predicted peak of one forward/backward over `batch` (plus the optimizer's state)."""
+    a = _args(config)
+    weights = (params if params is not None else base_params(config)) * act_bytes
+    lora_params = sum(rank * (i + o) for name, (i, o) in a.lora_linears().items() if name.split(".")[-1] in targets)
+    lora = lora_params * a.num_hidden_layers * 4 * 4  # tensors, gradients, two moments
+    kept, transient = layer_bytes_per_token(config, targets, rank, act_bytes, grad_checkpoint)
+    n, L = batch.tokens, a.num_hidden_layers
+    # Sliding layers shorter than the sequence go through an explicit mask: their scores are kept.
+    windowed = sum(1 for i in range(L) if a.window(i) is not None and a.window(i) < batch.seq)
+    scores = batch.rows * a.num_attention_heads * batch.seq * batch.seq * (act_bytes + 1)
+    # logits, log-softmax, and the gradients of both (float32), and the logits in the base dtype first
+    logits = batch.targets * a.vocab_size * (4 * 4 + (act_bytes if act_bytes != 4 else 0))
+    logits += batch.targets * a.hidden_size * 4 * 2  # gathered hidden states and their gradient
+    if grad_checkpoint:
+        forward = L * n * a.hidden_size * act_bytes  # each layer's input
+        backward = n * (kept + transient) + (scores if windowed else 0)  # one layer recomputed and its gradients
+    else:
+        forward = L * n * kept + windowed * scores
+        backward = n * transient
+    # At the start of backward the logits, their log-softmax and its gradient are alive; they are
+    # freed before the layers' own backward runs, so the larger of the two sits on top of `forward`.
+    backward = max(logits, backward)
+    k = (1 + SLACK) / GB
+    return Estimate(weights / GB, lora / GB, forward * k, backward * k, runtime_gb)
+
+
+class NoFit(SpillpackError):
+    pass
+
+
+def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, batch: int, grad_accum: int, mode: str,
+        available_gb: float, available_from: str, runtime_gb: float, params: int | None = None,
+        max_seq: int | None = None) -> Plan:
+    """The plan a step runs under. `batches_at(m)` lists the job's micro-batches (as Batch) when
+    each step's examples run m rows at a time. auto: the job's micro-batch as given, then with
+    checkpointing, then micro-batches halved (4 x 1, 2 x 2, 1 x 4) until it fits; on: always
+    checkpointing; off: never. Raises NoFit naming what would fit."""
+    assert mode in MODES, mode
+    checkpoints = {"auto": (False, True), "on": (True,), "off": (False,)}[mode]
+    sizes, m = [], batch
+    while True:
+        sizes.append(m)
+        if m == 1:
+            break
+        m = (m + 1) // 2
+    tried = []  # every candidate, in the order auto prefers them (shown by --plan)
+    for m in sizes:
+        shapes = batches_at(m)
+        for ckpt in checkpoints:
+            worst = max(((estimate(config, targets, rank, act_bytes, b, ckpt, runtime_gb, params), b) for b in shapes),
+                        key=lambda eb: eb[0].peak_gb)
+            tried.append(Plan(m, ckpt, worst[0], worst[1], available_gb, available_from, batch, grad_accum))
+    for plan in tried:
+        if plan.estimate.peak_gb <= available_gb:
+            plan.tried = tried
+            return plan
+    last = tried[-1]
+    raise NoFit(_no_fit_line(last, mode), _suggestion(config, targets, rank, act_bytes, last, runtime_gb, params, max_seq))
+
+
+def _no_fit_line(last: Plan, mode: str) -> str:
+    how = "with checkpointing" if last.grad_checkpoint else "without checkpointing (--grad-checkpoint off)"
+    where = "this machine has" if last.available_from != "--max-mem-gb" else "--max-mem-gb allows"
+    return f"tune needs about {last.estimate.peak_gb:.1f} GB at micro-batch 1 {how}; {where} {last.available_gb:.1f} GB"
+
+
+def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params, max_seq) -> str:
+    """The longest --max-seq that would fit at micro-batch 1 with checkpointing, else the memory needed."""
+    longest = last.longest
+    seq = min(max_seq or longest.seq, longest.seq)
+    while seq >= 32:
+        seq //= 2
+        shorter = Batch(1, seq, max(1, longest.targets * seq // max(1, longest.seq)))
+        if estimate(config, targets, rank, act_bytes, shorter, True, runtime_gb, params).peak_gb <= last.available_gb:
+            return f"spillpack tune ... --max-seq {seq}"
+    floor = estimate(config, targets, rank, act_bytes, Batch(1, 32, 16), True, runtime_gb, params).peak_gb
+    return f"a machine with at least {floor:.1f} GB free (the weights alone need {last.estimate.weights_gb:.1f} GB), or a smaller model"

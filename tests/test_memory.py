@@ -1,0 +1,163 @@
+"""Memory: checkpointing changes nothing, plans split micro-batches without changing the math,
+impossible jobs are refused before any weight is read, and the planner matches measured peaks."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import REPO, events_of, run_cli
+from memory_shapes import make_data, make_shape
+
+DATA = str(REPO / "examples/data/train.jsonl")
+TUNE = ["tune", "tiny", DATA, "--steps", "6", "--batch", "4", "--lr", "2e-3", "--rank", "8",
+        "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]
+
+
+def adapter(state):
+    return load_file(str(state / "adapter" / "adapter_model.safetensors"))
+
+
+def losses(state):
+    return [json.loads(line)["loss"] for line in (state / "adapter" / "train_log.jsonl").read_text().splitlines()]
+
+
+def tune(args, state, **kw):
+    r = run_cli([*args, "--state", str(state)], **kw)
+    assert r.returncode == 0, r.stderr
+    return events_of(r.stdout)
+
+
+@pytest.mark.parametrize("engine,extra", [("torch-cpu", []), ("mlx", [])])
+def test_checkpointing_on_and_off_are_bit_identical(home, tmp_path, engine, extra):
+    if engine == "mlx":
+        pytest.importorskip("mlx.core")
+    runs = {}
+    for mode in ("off", "on"):
+        events = tune([*TUNE, "--engine", engine, "--grad-checkpoint", mode, *extra], tmp_path / mode)
+        start = next(e for e in events if e["event"] == "start")
+        assert start["grad_checkpoint"] is (mode == "on") and start["micro_batch"] == 4
+        runs[mode] = tmp_path / mode
+    assert losses(runs["on"]) == losses(runs["off"])
+    a, b = adapter(runs["on"]), adapter(runs["off"])
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+# Long rows (about 1,600 tokens) so the micro-batch size moves the planned peak by tens of MB,
+# far more than the few MB a process's resident size varies by from run to run.
+@pytest.fixture(scope="module")
+def long_rows(tmp_path_factory):
+    return str(make_data(tmp_path_factory.mktemp("data") / "long.jsonl", 16, 600, seed=1))
+
+
+LONG = ["--steps", "4", "--batch", "4", "--lr", "2e-3", "--rank", "8", "--max-seq", "2048", "--ckpt-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def unsplit(tiny_home, long_rows, tmp_path_factory):
+    """The long-row job run as 4 x 1 without checkpointing, and its plan's candidates."""
+    state = tmp_path_factory.mktemp("unsplit") / "s"
+    env = {"SPILLPACK_HOME": str(tiny_home)}
+    r = run_cli(["tune", "tiny", long_rows, *LONG, "--plan"], env=env)
+    assert r.returncode == 0, r.stderr
+    plan = events_of(r.stdout)[0]
+    peaks = {(c["micro_batch"], c["grad_checkpoint"]): c["estimated_peak_gb"] for c in plan["candidates"]}
+    events = tune(["tune", "tiny", long_rows, *LONG, "--grad-checkpoint", "off"], state, env=env)
+    assert next(e for e in events if e["event"] == "start")["micro_batch"] == 4
+    return state, peaks
+
+
+def close(a, b, tol=1e-5):
+    assert len(a) == len(b)
+    assert np.max(np.abs(np.asarray(a) - np.asarray(b))) < tol, (a, b)
+
+
+def test_a_cap_splits_micro_batches_and_keeps_the_math(home, tmp_path, long_rows, unsplit):
+    ref, peaks = unsplit
+    assert peaks[(4, True)] - peaks[(2, True)] > 0.015, peaks  # the margin the cap below relies on
+    cap = peaks[(4, True)] - 0.008
+    state = tmp_path / "s"
+    events = tune(["tune", "tiny", long_rows, *LONG, "--max-mem-gb", f"{cap:.3f}"], state)
+    start = next(e for e in events if e["event"] == "start")
+    assert start["micro_batch"] in (1, 2) and start["grad_checkpoint"] is True
+    assert start["memory_gb"] == pytest.approx(cap, abs=1e-3) and start["memory_from"] == "--max-mem-gb"
+    assert start["estimated_peak_gb"] <= cap and f"of {cap:.1f} GB (--max-mem-gb)" in start["message"]
+    close(losses(state), losses(ref))
+    a, b = adapter(state), adapter(ref)
+    for k in a:
+        close(a[k].ravel(), b[k].ravel())
+    r = run_cli(["status", str(state)], env={"SPILLPACK_HEADLESS": "0"})
+    assert f"micro-batch {start['micro_batch']} x {4 // start['micro_batch']}, checkpointing on" in r.stdout, r.stdout
+
+
+def test_checkpointed_at_micro_batch_4_resumes_at_1(home, tmp_path, long_rows, unsplit):
+    ref, peaks = unsplit
+    assert peaks[(2, True)] - peaks[(1, True)] > 0.008, peaks
+    state = tmp_path / "s"
+    first = tune(["tune", "tiny", long_rows, *LONG, "--grad-checkpoint", "off", "--stop-after", "2"], state)
+    assert next(e for e in first if e["event"] == "start")["micro_batch"] == 4
+    cap = peaks[(1, True)] + 0.004  # only micro-batch 1 with checkpointing fits
+    second = tune(["tune", "tiny", long_rows, *LONG, "--max-mem-gb", f"{cap:.3f}"], state)
+    start = next(e for e in second if e["event"] == "start")
+    assert (start["micro_batch"], start["grad_checkpoint"]) == (1, True)
+    assert [e["step"] for e in second if e["event"] == "restore"] == [2]
+    close(losses(state), losses(ref))
+    a, b = adapter(state), adapter(ref)
+    for k in a:
+        close(a[k].ravel(), b[k].ravel())
+    story = run_cli(["status", str(state)], env={"SPILLPACK_HEADLESS": "0"}).stdout
+    assert "micro-batch 4 x 1, checkpointing off" in story and "micro-batch 1 x 4, checkpointing on" in story, story
+
+
+def test_impossible_job_is_refused_before_loading_weights(home, tmp_path, long_rows):
+    model = tmp_path / "m"
+    shutil.copytree(home / "models" / "tiny", model)
+    weights = model / "model.safetensors"
+    raw = weights.read_bytes()
+    header = 8 + int.from_bytes(raw[:8], "little")
+    weights.write_bytes(raw[:header + 64])  # the header is whole, the tensors are not: loading would fail
+    state = tmp_path / "s"
+    r = run_cli(["tune", str(model), long_rows, *LONG, "--max-mem-gb", "0.05", "--state", str(state)])
+    assert r.returncode == 1
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("spillpack: tune needs about ") and " GB at micro-batch 1 with checkpointing; --max-mem-gb allows 0.1 GB. Try: " in line, line
+    assert not state.exists()  # nothing claimed: the corrected command starts clean
+    # A cap that short rows fit at micro-batch 1: the line names a shorter --max-seq for the long ones.
+    r = run_cli(["tune", str(model), DATA, "--steps", "2", "--batch", "1", "--grad-checkpoint", "on", "--plan"])
+    cap = events_of(r.stdout)[0]["estimated_peak_gb"] + 0.01
+    r = run_cli(["tune", str(model), long_rows, *LONG, "--max-mem-gb", f"{cap:.3f}"])
+    line = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Try: spillpack tune ... --max-seq " in line, line
+    assert int(line.rsplit("--max-seq ", 1)[1]) < 2048
+
+
+def measured_vs_planned(model, data, extra, state):
+    events = tune(["tune", str(model), str(data), "--steps", "2", "--batch", "4", "--max-seq", "4096", "--ckpt-every", "100", *extra],
+                  state, env={"OMP_NUM_THREADS": "1"})
+    start = next(e for e in events if e["event"] == "start")
+    peak = max(e["peak_mem_gb"] for e in events if e["event"] == "step")
+    return start["estimated_peak_gb"], peak
+
+
+@pytest.mark.parametrize("words,mode", [(40, "off"), (300, "off"), (300, "on")])
+def test_planner_within_20_percent_on_tiny(home, tmp_path, words, mode):
+    data = make_data(tmp_path / "d.jsonl", 8, words)
+    planned, peak = measured_vs_planned("tiny", data, ["--grad-checkpoint", mode], tmp_path / "s")
+    assert abs(planned - peak) / peak < 0.20, (planned, peak)
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    return tmp_path_factory.mktemp("shapes")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,words,mode", [("100m", 40, "off"), ("100m", 400, "off"), ("100m", 400, "on"),
+                                              ("qwen2.5-0.5b", 40, "off"), ("qwen2.5-0.5b", 200, "off"), ("qwen2.5-0.5b", 200, "on")])
+def test_planner_within_20_percent_on_real_shapes(home, tmp_path, shapes, shape, words, mode):
+    model = make_shape(shape, shapes / shape)
+    data = make_data(tmp_path / "d.jsonl", 8, words)
+    planned, peak = measured_vs_planned(model, data, ["--grad-checkpoint", mode], tmp_path / "s")
+    assert abs(planned - peak) / peak < 0.20, (planned, peak)
