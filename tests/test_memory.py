@@ -161,3 +161,21 @@ def test_planner_within_20_percent_on_real_shapes(home, tmp_path, shapes, shape,
     data = make_data(tmp_path / "d.jsonl", 8, words)
     planned, peak = measured_vs_planned(model, data, ["--grad-checkpoint", mode], tmp_path / "s")
     assert abs(planned - peak) / peak < 0.20, (planned, peak)
+
+
+def test_states_from_before_the_effective_batch(home, tmp_path):
+    """job.json written with batch and grad_accum: --grad-accum 1 continues, more is refused."""
+    state = tmp_path / "s"
+    tune([*TUNE, "--stop-after", "2"], state)
+    identity = json.loads((state / "job.json").read_text())
+    old = {k: v for k, v in identity.items() if k != "effective_batch"}
+    (state / "job.json").write_text(json.dumps({**old, "batch": 4, "grad_accum": 1}))
+    events = tune(TUNE, state)
+    assert [e["step"] for e in events if e["event"] == "restore"] == [2]
+    assert events[-1]["event"] == "done" and events[-1]["complete"]
+    (state / "job.json").write_text(json.dumps({**old, "batch": 2, "grad_accum": 2}))
+    r = run_cli([*TUNE, "--state", str(state)])
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"spillpack: state {state} was written by an older spillpack with --grad-accum 2, whose batch order this version "
+        f"does not reproduce. Try: another --state to run the job again (or delete {state} to start over)")

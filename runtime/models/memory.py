@@ -198,20 +198,22 @@ def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, bat
     checkpointing, then micro-batches halved (4 x 1, 2 x 2, 1 x 4) until it fits; on: always
     checkpointing; off: never. Raises NoFit naming what would fit."""
     assert mode in MODES, mode
-    checkpoints = {"auto": (False, True), "on": (True,), "off": (False,)}[mode]
     sizes, m = [], batch
     while True:
         sizes.append(m)
         if m == 1:
             break
         m = (m + 1) // 2
-    tried = []  # every candidate, in the order auto prefers them (shown by --plan)
-    for m in sizes:
-        shapes = batches_at(m)
-        for ckpt in checkpoints:
-            worst = max(((estimate(config, targets, rank, act_bytes, b, ckpt, runtime_gb, params), b) for b in shapes),
-                        key=lambda eb: eb[0].peak_gb)
-            tried.append(Plan(m, ckpt, worst[0], worst[1], available_gb, available_from, batch, grad_accum))
+    # auto: the job as given, then checkpointing, then checkpointing with ever smaller micro-batches.
+    order = {"auto": [(batch, False)] + [(m, True) for m in sizes], "on": [(m, True) for m in sizes],
+             "off": [(m, False) for m in sizes]}[mode]
+    tried, shapes = [], {}  # every candidate, in the order preferred (shown by --plan)
+    for m, ckpt in order:
+        if m not in shapes:
+            shapes[m] = batches_at(m)
+        worst = max(((estimate(config, targets, rank, act_bytes, b, ckpt, runtime_gb, params), b) for b in shapes[m]),
+                    key=lambda eb: eb[0].peak_gb)
+        tried.append(Plan(m, ckpt, worst[0], worst[1], available_gb, available_from, batch, grad_accum))
     for plan in tried:
         if plan.estimate.peak_gb <= available_gb:
             plan.tried = tried
