@@ -115,7 +115,7 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
         write_config(inv, emit_path)
         events.say(f"wrote {emit_path}; run it with: spillpack {command} --config {emit_path}")
         return 0
-    group = launch.wanted(command, inv.options)
+    group = None if plan else launch.wanted(command, inv.options)  # a plan is one process's, whatever --nproc says
     if group is not None:  # each worker runs this same command line as one rank
         from runtime.engines.hardware import choose_engine
 
