@@ -25,7 +25,7 @@ def losses(state):
 
 
 def tune(args, state, **kw):
-    r = run_cli([*args, "--state", str(state)], **kw)
+    r = run_cli([*args, "--state", str(state)], timeout=3600, **kw)  # slow under load, never wrong
     assert r.returncode == 0, r.stderr
     return events_of(r.stdout)
 
@@ -60,7 +60,7 @@ def unsplit(tiny_home, long_rows, tmp_path_factory):
     """The long-row job run as 4 x 1 without checkpointing, and its plan's candidates."""
     state = tmp_path_factory.mktemp("unsplit") / "s"
     env = {"SPILLPACK_HOME": str(tiny_home)}
-    r = run_cli(["tune", "tiny", long_rows, *LONG, "--plan"], env=env)
+    r = run_cli(["tune", "tiny", long_rows, *LONG, "--plan"], env=env, timeout=3600)
     assert r.returncode == 0, r.stderr
     plan = events_of(r.stdout)[0]
     peaks = {(c["micro_batch"], c["grad_checkpoint"]): c["estimated_peak_gb"] for c in plan["candidates"]}
