@@ -7,7 +7,8 @@ import sys
 import orjson
 
 from runtime import __version__
-from runtime.engines.hardware import ENGINE_NAMES, choose_engine, disk_free_gb, measure, memory_for, memory_gb, probe
+from runtime.engines.hardware import ENGINE_NAMES, choose_engine, cuda_facts, disk_free_gb, measure, memory_for, memory_gb, probe, remember_rate
+from runtime.engines.nvidia import CudaFacts
 from runtime.paths import spillpack_home
 
 
@@ -16,19 +17,26 @@ def add_arguments(p):
     p.add_argument("--no-measure", action="store_true", help="skip the short matmul and memory-bandwidth measurement")
 
 
-def report(engine: str = "auto", measure_rates: bool = True) -> dict:
+def report(engine: str = "auto", measure_rates: bool = True, cuda: CudaFacts | None = None) -> dict:
+    """`cuda`: the facts torch-cuda is judged from (this machine's when not given)."""
     total, available = memory_gb()
-    probes = [probe(n) for n in ENGINE_NAMES]
+    cuda = cuda if cuda is not None else cuda_facts()
+    probes = [probe(n, cuda) for n in ENGINE_NAMES]
     engines = {}
     for p in probes:
         engines[p.name] = {"usable": p.usable, "detail": p.detail}
+        if p.fix:
+            engines[p.name]["fix"] = p.fix
         if p.usable and measure_rates:
             try:
-                engines[p.name].update(measure(p.name))
+                rate = measure(p.name)
             except Exception as e:  # usable by probe but failing to compute is worth saying, not crashing on
                 engines[p.name].update(usable=False, detail=f"{p.detail}; but a test matmul failed: {e}")
+            else:
+                engines[p.name].update(rate)
+                remember_rate(p.name, rate)  # later jobs' estimated_seconds use it
     try:
-        chosen, why = choose_engine(engine)
+        chosen, why = choose_engine(engine, cuda)
     except Exception as e:
         chosen, why = None, str(e)
     plan_gb, plan_from = (None, None)
@@ -68,8 +76,11 @@ def main(ns: dict, events) -> int:
     ]
     for name, e in r["engines"].items():
         mark = "*" if name == r["engine"] else ("+" if e["usable"] else "-")
-        rate = f" ({e['matmul_gflops']} GFLOP/s matmul, {e['mem_gbps']} GB/s memory)" if "matmul_gflops" in e else ""
+        rate = (f" ({e['matmul_gflops']} GFLOP/s {e['matmul_dtype']} matmul, {e['mem_gbps']} GB/s memory)"
+                if "matmul_gflops" in e else "")
         lines.append(f"  {mark} {name:<11} {'usable' if e['usable'] else 'not usable'}: {e['detail']}{rate}")
+        if e.get("fix"):
+            lines.append(f"    try: {e['fix']}")
     lines.append(f"a job here would use {r['engine']}: {r['engine_reason']}" if r["engine"] else f"no engine: {r['engine_reason']}")
     if r["plan_memory_gb"] is not None:
         lines.append(f"a tune here is sized for {r['plan_memory_gb']} GB ({r['plan_memory_from']}); "

@@ -61,6 +61,9 @@ def story(state: JobState, command: str | None = None) -> dict:
                 lines.append(f"  sized for {r.get('available_gb')} GB ({r.get('available_from')}): micro-batch "
                              f"{r.get('micro_batch')} x {r.get('grad_accum')}, checkpointing {'on' if r.get('grad_checkpoint') else 'off'}, "
                              f"about {r.get('estimated_peak_gb')} GB at the peak")
+            elif what == "engine":
+                proc.update(device=r.get("device"), software=r.get("software"), dtype=r.get("dtype"))
+                lines.append(f"  on {r.get('device')}, {r.get('software')}, {r.get('dtype')} base")
             elif what == "resume":
                 done = r.get("step") or 0
                 proc["resumed_from"] = {"uri": r.get("uri"), unit: done}
@@ -91,8 +94,30 @@ def story(state: JobState, command: str | None = None) -> dict:
             else:
                 lines.append(f"  no end record yet: running, or killed after {unit} {reached if reached is not None else done}")
         processes.append(proc)
+    resume = resume_promise(processes)
+    if resume:
+        lines.append(f"resume: {resume['promise']}: {resume['why']}")
     return {"uri": state.uri, "command": command, "name": (invocation.get("options") or {}).get("name"),
-            "processes": processes, "story": lines}
+            "processes": processes, "resume": resume, "story": lines}
+
+
+def resume_promise(processes: list[dict]) -> dict | None:
+    """Which of docs/state.md's promises a job that ran in several processes gets: bit-identical
+    when every process had the same engine, device model, software and base dtype; within the
+    stated tolerance otherwise (other kernels round differently)."""
+    ran = [p for p in processes if p.get("device")]
+    if len(processes) < 2 or not ran:
+        return None
+    key = lambda p: (p.get("engine"), p.get("device"), p.get("software"), p.get("dtype"))  # noqa: E731
+    first = ran[0]
+    other = next((p for p in ran[1:] if key(p) != key(first)), None)
+    if other is None:
+        return {"promise": "bit-identical", "why": f"every process ran {first.get('engine')} on {first.get('device')} "
+                                                   f"with {first.get('software')} ({first.get('dtype')} base)"}
+    differs = [name for name, a, b in zip(("engine", "device", "software", "base dtype"), key(first), key(other)) if a != b]
+    return {"promise": "within tolerance",
+            "why": f"the {' and '.join(differs)} changed between processes ({first.get('engine')} on {first.get('device')}, "
+                   f"{first.get('software')}; then {other.get('engine')} on {other.get('device')}, {other.get('software')})"}
 
 
 def _told(store) -> dict:

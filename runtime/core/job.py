@@ -28,6 +28,7 @@ from runtime.core import ranks
 from runtime.core.events import Events
 from runtime.core.notices import NoticeWatcher, start_watcher
 from runtime.core.signals import Abandon, Preemption
+from runtime.engines import get_engine
 from runtime.engines.hardware import choose_engine
 from runtime.errors import EXIT_OK, EXIT_PREEMPTED, SpillpackError
 from runtime.paths import spillpack_home
@@ -122,6 +123,15 @@ class Job:
         notices = start_watcher(o.get("preemption_notice"), preemption)
         return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices, group,
                    root.uri if root is not None else uri, root=root if shard is not None else None)
+
+    def open_engine(self, engine=None):
+        """This process's engine (made here, or given: tune makes it first to plan its memory),
+        with its device, software and base dtype in the history: a resume is bit-identical only
+        where they match (`spillpack status` says which applied)."""
+        engine = engine or get_engine(self.engine_name)
+        if self.writer:  # rank 0 of a data-parallel group writes for all (its ranks share one device model)
+            self.state.log("engine", **engine.describe())
+        return engine
 
     def __enter__(self) -> "Job":
         return self

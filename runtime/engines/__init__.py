@@ -2,21 +2,26 @@
 
 `get_engine(name)` returns an object with:
     name, device
-    train_session(model_dir, spec, init_tensors, opt) -> a session with
-        forward_backward(micro_batches: list[(ids, labels)], total_targets) -> (loss_sum, tokens)
-            accumulates gradients; abandonable (it touches only the gradients)
+    describe() -> dict                      device model, software versions, base dtype (the state's
+                                            history records it per process: what bit-identical needs)
+    train_session(model_dir, spec, init_tensors, opt, seed) -> a session with
+        forward_backward(micro_batches: list[(ids, labels)], total_targets, step) -> (loss_sum, tokens)
+            accumulates gradients; abandonable (it touches only the gradients); LoRA dropout's
+            masks are a pure function of (seed, step, micro-batch)
         apply(lr)                           the AdamW update (torch.optim.AdamW's formula on every engine)
         discard()                           drop accumulated gradients
         export() -> dict[str, np.ndarray]   engine-neutral float32: adapter.<name>, optim.<name>.exp_avg(_sq)
+                                            (+ precision.loss_scale, precision.clean_steps on a float16 base;
+                                            an engine ignores what it does not use)
         load(tensors, step)                 the reverse; step is AdamW's step count
         adapter() -> dict[str, np.ndarray]  canonical LoRA tensors
-        merged_weights() -> dict[str, np.ndarray]  base + scale * B @ A, HF names, float32
+        merged_weights() -> dict[str, np.ndarray]  the checkpoint's own float32 tensors + scale * B @ A
         pad_id
         grad_checkpoint                     settable: recompute each decoder layer in backward
     load_model(model_dir, adapter=None) -> the engine's model; model.make_decoder(slots, max_len)
                                         gives the Decoder runtime.generation's Generator drives
     generator(model_dir, tokenizer, adapter, slots, max_len) -> runtime.generation.Generator
-    peak_mem_gb() -> float
+    peak_mem_gb() -> float                  the most memory held on the device since the engine was made
 """
 
 from dataclasses import dataclass
@@ -29,11 +34,12 @@ class OptimSpec:
     eps: float = 1e-8
 
 
-def get_engine(name: str):
+def get_engine(name: str, **kw):
+    """kw: the torch engine's device and base_dtype (tests and benchmarks run CUDA's arithmetic on a CPU)."""
     if name in ("torch-cpu", "torch-cuda"):
         from runtime.engines.torch.engine import TorchEngine
 
-        return TorchEngine(name)
+        return TorchEngine(name, **kw)
     if name == "mlx":
         from runtime.engines.mlx.engine import MLXEngine
 

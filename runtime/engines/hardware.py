@@ -11,6 +11,7 @@ import platform
 import shutil
 from dataclasses import dataclass
 
+from runtime.engines.nvidia import CudaFacts, diagnose, machine_facts
 from runtime.errors import SpillpackError
 from runtime.paths import spillpack_home
 
@@ -22,13 +23,39 @@ class EngineProbe:
     name: str
     usable: bool
     detail: str  # version and device when usable, the reason when not
+    gpu_unusable: bool = False  # torch-cuda only: a GPU is here but CUDA cannot use it
+    fix: str = ""  # what to do about it, when not usable
 
 
 def is_apple_silicon() -> bool:
     return platform.system() == "Darwin" and platform.machine() == "arm64"
 
 
-def probe(name: str) -> EngineProbe:
+def cuda_facts() -> CudaFacts:
+    """torch's side of whether CUDA works here, then the machine's (runtime.engines.nvidia)."""
+    f = CudaFacts()
+    if importlib.util.find_spec("torch") is not None:
+        from runtime.engines.torch.device import before_cuda
+
+        before_cuda()  # the probe is the first thing in a job to touch CUDA
+        import torch
+
+        f.torch_version, f.torch_cuda = torch.__version__, torch.version.cuda
+        f.available = torch.cuda.is_available()
+        if f.available:
+            f.device_name = torch.cuda.get_device_name(0)
+            return f
+        if f.torch_cuda is not None:
+            try:
+                torch.cuda.init()  # raises with the reason is_available() keeps to itself
+            except Exception as e:  # any failure here is the diagnosis, not a crash
+                f.init_error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return machine_facts(f)
+
+
+def probe(name: str, cuda: CudaFacts | None = None) -> EngineProbe:
+    """Whether engine `name` is usable here. `cuda`: the facts torch-cuda is judged from
+    (gathered from this machine when not given; tests give made-up ones)."""
     if name == "torch-cpu":
         if importlib.util.find_spec("torch") is None:
             return EngineProbe(name, False, "torch is not installed (pip install torch)")
@@ -36,14 +63,8 @@ def probe(name: str) -> EngineProbe:
 
         return EngineProbe(name, True, f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if name == "torch-cuda":
-        if importlib.util.find_spec("torch") is None:
-            return EngineProbe(name, False, "torch is not installed")
-        import torch
-
-        if not torch.cuda.is_available():
-            why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
-            return EngineProbe(name, False, why)
-        return EngineProbe(name, True, f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+        d = diagnose(cuda if cuda is not None else cuda_facts())
+        return EngineProbe(name, d.usable, d.detail, d.gpu_unusable, d.fix)
     if name == "mlx":
         if importlib.util.find_spec("mlx") is None:
             return EngineProbe(name, False, "mlx is not installed (pip install mlx, or mlx[cpu] on Linux)")
@@ -58,27 +79,33 @@ def probe(name: str) -> EngineProbe:
 
 
 def measure(name: str, seconds: float = 1.0) -> dict:
-    """A short measured rate of a usable engine: float32 matmul GFLOP/s and copy bandwidth GB/s
-    (bytes read + written), each the best of repeats within about seconds/2. The matmul grows
-    from 512 until one multiply takes a visible time, so a GPU is not measured on launch
-    overhead and a slow CPU build (mlx's on Linux) is not kept waiting."""
+    """A short measured rate of a usable engine: matmul GFLOP/s in the dtype the engine's base
+    computes in (bfloat16 on a recent GPU, not float32 with TF32 off, which is ~1/15 of it on an
+    H100) and copy bandwidth GB/s (bytes read + written), each the best of repeats within about
+    seconds/2. The matmul grows from 512 until one multiply takes a visible time, so a GPU is
+    not measured on launch overhead and a slow CPU build (mlx's on Linux) is not kept waiting."""
     import time
 
     if name == "mlx":
         import mlx.core as mx
 
+        dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+
         def ops(n, mb):
-            a, buf = mx.random.normal((n, n)), mx.zeros((mb * 2**18,))
+            a, buf = mx.random.normal((n, n)).astype(dtype), mx.zeros((mb * 2**18,))
             mx.eval(a, buf)
             return (lambda: mx.eval(a @ a)), (lambda: mx.eval(buf * 1))
     else:
         import torch
 
-        dev = "cuda" if name == "torch-cuda" else "cpu"
-        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+        from runtime.engines.torch.precision import device_precision
+
+        dev = torch.device("cuda" if name == "torch-cuda" else "cpu")
+        dtype = device_precision(dev).base
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
         def ops(n, mb):
-            a, buf = torch.randn(n, n, device=dev), torch.zeros(mb * 2**18, device=dev)
+            a, buf = torch.randn(n, n, device=dev).to(dtype), torch.zeros(mb * 2**18, device=dev)
             out = torch.empty_like(buf)
             return (lambda: (torch.mm(a, a), sync())), (lambda: (out.copy_(buf), sync()))
 
@@ -100,11 +127,58 @@ def measure(name: str, seconds: float = 1.0) -> dict:
         matmul()
         if timed(matmul) > seconds / 20:
             break
-    return {"matmul_gflops": round(2 * n**3 / best(matmul) / 1e9, 1), "mem_gbps": round(2 * mb * 2**20 / best(copy) / 1e9, 1)}
+    return {"matmul_gflops": round(2 * n**3 / best(matmul) / 1e9, 1), "mem_gbps": round(2 * mb * 2**20 / best(copy) / 1e9, 1),
+            "matmul_dtype": str(dtype).rsplit(".", 1)[-1]}
 
 
-def choose_engine(requested: str | None = "auto") -> tuple[str, str]:
-    """The engine to use here and why."""
+RATES_FILE = "cache/rates.json"
+
+
+def _rates_key(name: str) -> str:
+    return f"{name}: {probe(name).detail}"  # version and device: another GPU or torch is measured anew
+
+
+def remember_rate(name: str, rate: dict) -> None:
+    """Keep a measured rate under SPILLPACK_HOME for later jobs' estimates (doctor's, or a job's own)."""
+    import orjson
+
+    from runtime.fileio import atomic_write
+
+    path = spillpack_home() / RATES_FILE
+    try:
+        rates = orjson.loads(path.read_bytes()) if path.exists() else {}
+    except (OSError, orjson.JSONDecodeError):
+        rates = {}
+    rates[_rates_key(name)] = rate
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, orjson.dumps(rates, option=orjson.OPT_INDENT_2))
+    except OSError:
+        pass  # an estimate's cache must never fail a job
+
+
+def engine_rate(name: str) -> dict:
+    """This engine's measured rate here: remembered from doctor or an earlier job, else measured
+    now (a quarter of a second) and remembered."""
+    import orjson
+
+    try:
+        cached = orjson.loads((spillpack_home() / RATES_FILE).read_bytes()).get(_rates_key(name))
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        cached = None
+    if cached and cached.get("matmul_gflops"):
+        return cached
+    rate = measure(name, seconds=0.25)
+    remember_rate(name, rate)
+    return rate
+
+
+def choose_engine(requested: str | None = "auto", cuda: CudaFacts | None = None) -> tuple[str, str]:
+    """The engine to use here and why. `auto` refuses to put a job on the CPU of a machine whose
+    GPU CUDA cannot use (a driver too old for the wheel, a CPU-only torch, a device not passed
+    into a container): such a job would run 10-100x slower on a machine rented for its GPU, and
+    headless, nobody would read a warning before the hours are spent. Exit 1 names the cause and
+    the fix; `--engine torch-cpu` (or SPILLPACK_ENGINE) runs it on the CPU knowingly."""
     requested = requested or "auto"
     env = os.environ.get("SPILLPACK_ENGINE")
     if requested == "auto" and env:
@@ -114,15 +188,22 @@ def choose_engine(requested: str | None = "auto") -> tuple[str, str]:
     if requested != "auto":
         if requested not in ENGINE_NAMES:
             raise SpillpackError(f"unknown engine {requested!r} from {source}", "--engine mlx|torch-cuda|torch-cpu")
-        p = probe(requested)
+        p = probe(requested, cuda)
         if not p.usable:
-            raise SpillpackError(f"engine {requested} is not usable here: {p.detail}", "spillpack doctor")
-        return requested, f"asked for by {source}"
+            raise SpillpackError(f"engine {requested} is not usable here: {p.detail}", p.fix or "spillpack doctor")
+        why = f"asked for by {source}"
+        if requested == "torch-cpu":
+            gpu = probe("torch-cuda", cuda)
+            if gpu.gpu_unusable:
+                why += f" (not torch-cuda: {gpu.detail})"
+        return requested, why
     if is_apple_silicon() and probe("mlx").usable:
         return "mlx", "Apple silicon with mlx installed"
-    cuda = probe("torch-cuda")
-    if cuda.usable:
-        return "torch-cuda", f"a CUDA device is visible ({cuda.detail.split(', ', 1)[-1]})"
+    gpu = probe("torch-cuda", cuda)
+    if gpu.usable:
+        return "torch-cuda", f"a CUDA device is visible ({gpu.detail.split(', ', 1)[-1]})"
+    if gpu.gpu_unusable:
+        raise SpillpackError(f"{gpu.detail}; --engine auto does not fall back to the CPU on a GPU machine", gpu.fix)
     cpu = probe("torch-cpu")
     if cpu.usable:
         return "torch-cpu", "no Apple silicon or CUDA device" if not is_apple_silicon() else "mlx is not installed"

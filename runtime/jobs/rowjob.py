@@ -22,7 +22,6 @@ import orjson
 from runtime.models.lora import load_adapter
 from runtime.config.invocation import Invocation
 from runtime.data.train import read_bytes
-from runtime.engines import get_engine
 from runtime.errors import SpillpackError, UsageError
 from runtime.core.job import Job, Outcome
 from runtime.fileio import sha256_bytes
@@ -131,7 +130,7 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
                         f"({len(work.lines)} done or failed, up to {gen_tokens} new tokens) in batches of {o['batch']} "
                         f"on {job.engine_name}; state at {state.uri}")
     if work.todo and (o.get("stop_after") is None or work.done < o["stop_after"]):
-        work.start(get_engine(job.engine_name), model_dir, tokenizer, adapter)
+        work.start(job.open_engine(), model_dir, tokenizer, adapter)
         stopped = job.run(work, o.get("stop_after"))
         if stopped is not None:
             return work, stopped

@@ -25,6 +25,7 @@ from runtime.models.lora import LoraSpec, init_tensors, save_adapter
 from runtime.data.train import BatchOrder, collate, load_train_data, rank_share
 from runtime.engines import OptimSpec, get_engine
 from runtime.core.job import Job, Outcome
+from runtime.engines.hardware import engine_rate
 from runtime.models.ref import resolve_model
 from runtime.core.signals import Abandon
 from runtime.engines.hardware import choose_engine
@@ -99,11 +100,12 @@ def main(inv, events) -> Outcome:
     with Job.open(inv, identity, events, upgrade=upgrade_identity) as job:
         if job.writer:
             job.state.log("plan", **plan.to_dict())
+        job.open_engine(engine)
         latest = job.state.latest_checkpoint() if job.writer else None
         restored, abandoned = None, False
         try:
             with job.preemption.setup():
-                session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]))
+                session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]), o["seed"])
                 session.grad_checkpoint = plan.grad_checkpoint
                 session.pad_id = tokenizer.pad_token_id or 0
                 if latest is not None:
@@ -122,9 +124,10 @@ def main(inv, events) -> Outcome:
             job.restored(restored["step"], restored["uri"])
 
         tokens_per_step = sum(len(data.examples[i].ids) for i in order.step_examples(0))
-        est = engine_estimate(model_dir.config, tokens_per_step * max(0, total - work.done))
+        rate = engine_rate(job.engine_name)
+        est = engine_estimate(model_dir.config, tokens_per_step * max(0, total - work.done), rate["matmul_gflops"])
         events.emit("start", step=work.done, job=o["name"], model=a["model"], placement=f"{job.engine_name}: {job.engine_reason}",
-                    state=job.state_uri, estimated_seconds=est, steps=total,
+                    state=job.state_uri, estimated_seconds=est, steps=total, rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
                     estimated_peak_gb=round(plan.estimate.peak_gb, 3), memory_gb=round(plan.available_gb, 3),
                     memory_from=plan.available_from, micro_batch=plan.micro_batch, grad_checkpoint=plan.grad_checkpoint,
                     message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "
@@ -185,7 +188,7 @@ class TuneWork:
         group = self.job.group
         mine = rank_share(step, group.rank, group.world) if group is not None else step
         batches = [collate([examples[i] for i in mb], self.session.pad_id) for mb in mine]
-        self._result = self.session.forward_backward(batches, self._targets)
+        self._result = self.session.forward_backward(batches, self._targets, self.done)
 
     def discard(self) -> None:
         self.session.discard()
@@ -269,15 +272,19 @@ def write_merged(dest: Path, session, model_dir) -> None:
     (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def engine_estimate(config: dict, tokens: int) -> float:
-    """Seconds for `tokens` trained tokens: ~4 x params FLOPs a token (frozen base: no weight
-    gradients) at a conservative 20 GFLOP/s a core on CPU. A rough first guess; the step
-    events' eta_s replaces it with measurements."""
-    import os
+# The share of the measured matmul rate a LoRA step reaches: attention, norms, the optimizer and
+# small matmuls run below the big square one doctor times.
+STEP_EFFICIENCY = 0.5
 
+
+def engine_estimate(config: dict, tokens: int, gflops: float) -> float:
+    """Seconds for `tokens` trained tokens: ~4 x params FLOPs a token (forward, and the backward
+    through activations only: the base is frozen) at half the engine's measured matmul rate in
+    its own dtype (runtime.engines.hardware.engine_rate). A first guess; the step events'
+    eta_s replaces it with the job's own step times."""
     h, L, i, v = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
     params = L * (4 * h * h + 3 * h * i) + h * v
-    return round(4 * params * tokens / (20e9 * (os.cpu_count() or 1)), 1)
+    return round(4 * params * tokens / (STEP_EFFICIENCY * gflops * 1e9), 1)
 
 
 def _fmt(seconds: float) -> str:

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from runtime.models.lora import LoraSpec
+from runtime.models.lora import LoraSpec, dropout_seed
 from runtime.engines.mlx.models import load_model
 from runtime.engines import OptimSpec
 
@@ -68,8 +68,8 @@ def _loss(model, ids, rows, cols, targets):
 
 
 class MLXTrainSession:
-    def __init__(self, engine: "MLXEngine", model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec):
-        self.engine, self.spec, self.opt = engine, spec, opt
+    def __init__(self, engine: "MLXEngine", model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0):
+        self.engine, self.spec, self.opt, self.seed = engine, spec, opt, seed
         self.model = load_model(model_dir, dtype=engine.base_dtype)
         self.loras = apply_lora(self.model, tensors, spec)
         self.names = sorted(tensors)
@@ -93,10 +93,12 @@ class MLXTrainSession:
     def grad_checkpoint(self, on: bool) -> None:
         self.model.model.grad_checkpoint = bool(on)
 
-    def forward_backward(self, micro_batches, total_targets: int) -> tuple[float, int]:
+    def forward_backward(self, micro_batches, total_targets: int, step: int = 0) -> tuple[float, int]:
         """Accumulate gradients for one optimizer step. Abandonable: it only touches self.grads."""
         loss_sum, tokens = 0.0, 0
-        for ids, labels in micro_batches:
+        for i, (ids, labels) in enumerate(micro_batches):
+            if self.spec.dropout > 0:
+                mx.random.seed(dropout_seed(self.seed, step, i))  # dropout's masks from (seed, step), resumable
             rows, cols = np.nonzero(labels != -100)
             loss, grads = self._value_and_grad(self.model, mx.array(ids), mx.array(rows), mx.array(cols),
                                                mx.array(labels[rows, cols]))
@@ -168,8 +170,14 @@ class MLXEngine:
         self.device = mx.default_device()
         self.base_dtype = mx.bfloat16 if self.device == mx.gpu else mx.float32
 
-    def train_session(self, model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec) -> MLXTrainSession:
-        return MLXTrainSession(self, model_dir, spec, tensors, opt)
+    def describe(self) -> dict:
+        import platform
+
+        return {"device": f"{self.device} ({platform.machine()})", "software": f"mlx {getattr(mx, '__version__', '?')}",
+                "dtype": str(self.base_dtype).removeprefix("mlx.core.")}
+
+    def train_session(self, model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0) -> MLXTrainSession:
+        return MLXTrainSession(self, model_dir, spec, tensors, opt, seed)
 
     def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | None = None):
         model = load_model(model_dir, dtype=self.base_dtype)

@@ -2,6 +2,15 @@
 
 Logits leave as numpy float32 (n, V): sampling and the greedy argmax are the generator's,
 the same code for every engine.
+
+Two ways to decode a step, the same arithmetic row for row:
+- running rows only (a CPU's): the forward covers just the rows asked for, through a view of
+  the cache that gathers their keys; on a CPU compute is the cost, so idle slots are skipped;
+- every slot (a GPU's): the forward covers the whole cache in place, idle slots computing
+  a throwaway token, so no keys are gathered and no slot index is uploaded; the token ids,
+  which slots are running and their order travel in one small upload, each row's key span is
+  known on the host (no device sync to size the attention), and the one sync per step is the
+  logits coming back for the generator's sampling.
 """
 
 from __future__ import annotations
@@ -13,11 +22,13 @@ import torch
 class TorchDecoder:
     """Batched prefill and decode over one KV cache of `slots` rows."""
 
-    def __init__(self, model, slots: int, max_len: int):
+    def __init__(self, model, slots: int, max_len: int, every_slot: bool | None = None):
         self.model = model
         self.slots, self.max_len = slots, max_len
         self.cache = model.make_cache(slots, max_len)
         self.device = self.cache.k.device
+        self.every_slot = self.device.type == "cuda" if every_slot is None else every_slot
+        self.host_lengths = np.zeros(slots, dtype=np.int64)  # each slot's cached tokens, as the device has them
 
     @staticmethod
     def _host(logits: torch.Tensor) -> np.ndarray:
@@ -31,19 +42,37 @@ class TorchDecoder:
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=self.device)  # (n, width)
         view = self.cache.view(slots)
         view.lengths.zero_()  # the slots' old keys are masked out, no need to clear them
+        view.next_span = width
         hidden = self.model.hidden_states(ids, cache=view)  # (n, width, D)
         # Pad tokens were written past each prompt's end: a length that stops at the prompt hides them.
         self.cache.lengths[view.index if view.index is not None else slice(None)] = lengths
+        self.host_lengths[slots] = [len(p) for p in prompts]
         return self._host(self.model.logits(hidden[torch.arange(len(prompts), device=self.device), lengths - 1]))
 
     @torch.inference_mode()
     def decode(self, slots: list[int], last: list[int]) -> np.ndarray:
         """One token for each of `slots` (its last token given); (n, V) logits."""
+        if self.every_slot:
+            return self._decode_every_slot(slots, last)
         view = self.cache.view(slots)
+        view.next_span = int(self.host_lengths[slots].max()) + 1
         logits = self.model(torch.tensor(last, device=self.device)[:, None], cache=view)[:, -1]
         if view.index is not None:
             self.cache.lengths[view.index] = view.lengths
+        self.host_lengths[slots] += 1
         return self._host(logits)
+
+    def _decode_every_slot(self, slots: list[int], last: list[int]) -> np.ndarray:
+        packed = np.zeros((3, self.slots), dtype=np.int64)  # token ids, running (0/1), output order
+        packed[0, slots], packed[1, slots], packed[2, : len(slots)] = last, 1, slots
+        packed = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        self.cache.next_span = int(self.host_lengths[slots].max()) + 1
+        logits = self.model(packed[0][:, None], cache=self.cache)[:, -1]  # (slots, V)
+        # Idle slots hold nothing (released, length 0): their throwaway token is forgotten.
+        self.cache.lengths.mul_(packed[1])
+        self.host_lengths[slots] += 1
+        return self._host(logits[packed[2, : len(slots)]])
 
     def release(self, slot: int) -> None:
         self.cache.lengths[slot] = 0
+        self.host_lengths[slot] = 0

@@ -1,41 +1,52 @@
 """The torch engine (torch-cpu and torch-cuda): LoRA training and generation.
 
-The base model is frozen; only LoRA tensors and their AdamW moments change. On CUDA the
-base weights are bfloat16 where the device supports it, while LoRA weights, moments and
-everything in a checkpoint stay float32, so a checkpoint means the same on every engine.
+The base model is frozen; only LoRA tensors and their AdamW moments change. The base's dtype
+follows the device (runtime/engines/torch/precision.py: float32 on a CPU, bfloat16 on CUDA
+devices with native bfloat16, float16 with loss scaling on older ones), while LoRA weights,
+moments and everything in a checkpoint stay float32, so a checkpoint means the same on every
+engine. The device and base dtype are parameters: tests run the CUDA engine's arithmetic
+(bfloat16 and float16 bases) on a CPU.
 """
-
-import resource
-import sys
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from runtime.models.lora import LoraSpec
-from runtime.engines.torch.models import load_model
+from runtime.errors import SpillpackError
+from runtime.models.lora import LoraSpec, dropout_seed
+from runtime.engines.torch.device import PeakMemory, describe, make_deterministic
+from runtime.engines.torch.models import load_checkpoint, load_model
+from runtime.engines.torch.precision import LossScaler, device_precision, grads_finite, precision_of
 from runtime.engines import OptimSpec
 
 
 class LoRALinear(nn.Module):
-    """Wraps a frozen nn.Linear: y = base(x) + scale * (x A^T) B^T."""
+    """Wraps a frozen nn.Linear: y = base(x) + scale * (dropout(x) A^T) B^T.
 
-    def __init__(self, base: nn.Linear, A: torch.Tensor, B: torch.Tensor, scale: float, dropout: float = 0.0):
+    Dropout draws from `rng` (shared by every LoRA layer of a model, reseeded per micro-batch
+    from (seed, step)), not from torch's global generator, so a resumed step drops the same inputs.
+    """
+
+    def __init__(self, base: nn.Linear, A: torch.Tensor, B: torch.Tensor, scale: float, dropout: float = 0.0, rng=None):
         super().__init__()
         self.base = base
         self.lora_A = nn.Parameter(A)  # (r, in)
         self.lora_B = nn.Parameter(B)  # (out, r)
         self.scale = scale
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.p, self.rng = dropout, rng
 
     def forward(self, x):
         y = self.base(x)
-        z = F.linear(F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A), self.lora_B)
+        h = x.to(self.lora_A.dtype)
+        if self.training and self.p > 0:
+            keep = torch.empty_like(h).bernoulli_(1 - self.p, generator=self.rng)
+            h = h * keep / (1 - self.p)
+        z = F.linear(F.linear(h, self.lora_A), self.lora_B)
         return y + (self.scale * z).to(y.dtype)
 
 
-def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec, device) -> dict[str, nn.Parameter]:
+def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec, device, rng=None) -> dict[str, nn.Parameter]:
     """Wrap each targeted linear; returns the trainable parameters by canonical name."""
     params = {}
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in tensors})
@@ -45,7 +56,7 @@ def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec,
         base = getattr(parent, child)
         A = torch.tensor(tensors[f"{name}.lora_A.weight"], dtype=torch.float32, device=device)
         B = torch.tensor(tensors[f"{name}.lora_B.weight"], dtype=torch.float32, device=device)
-        wrapped = LoRALinear(base, A, B, spec.scale, spec.dropout)
+        wrapped = LoRALinear(base, A, B, spec.scale, spec.dropout, rng)
         setattr(parent, child, wrapped)
         params[f"{name}.lora_A.weight"] = wrapped.lora_A
         params[f"{name}.lora_B.weight"] = wrapped.lora_B
@@ -53,16 +64,17 @@ def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec,
 
 
 class TorchTrainSession:
-    def __init__(self, engine: "TorchEngine", model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec):
-        self.engine = engine
-        self.spec = spec
+    def __init__(self, engine: "TorchEngine", model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0):
+        self.engine, self.spec, self.model_dir, self.seed = engine, spec, model_dir, seed
         self.model = load_model(model_dir, dtype=engine.base_dtype, device=engine.device)
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.params = apply_lora(self.model, tensors, spec, engine.device)
+        self.rng = torch.Generator(device=engine.device) if spec.dropout > 0 else None
+        self.params = apply_lora(self.model, tensors, spec, engine.device, self.rng)
         self.names = sorted(self.params)
         self.optimizer = torch.optim.AdamW([self.params[n] for n in self.names], lr=0.0, betas=opt.betas, eps=opt.eps,
                                            weight_decay=opt.weight_decay)
+        self.scaler = LossScaler() if engine.precision.loss_scaling else None
         self.model.train(spec.dropout > 0)
         self.pad_id = 0
 
@@ -75,11 +87,33 @@ class TorchTrainSession:
     def grad_checkpoint(self, on: bool) -> None:
         self.model.model.grad_checkpoint = bool(on)
 
-    def forward_backward(self, micro_batches, total_targets: int) -> tuple[float, int]:
-        """Accumulate gradients for one optimizer step. Abandonable: it only touches .grad."""
+    def forward_backward(self, micro_batches, total_targets: int, step: int = 0) -> tuple[float, int]:
+        """Accumulate gradients for one optimizer step. Abandonable: it only touches .grad (and,
+        under loss scaling, the scale this step will settle with)."""
+        if self.scaler is None:
+            return self._accumulate(micro_batches, total_targets, step, 1.0)
+        scale = self.scaler.scale
+        while True:
+            result = self._accumulate(micro_batches, total_targets, step, scale)
+            if grads_finite(self.params.values()):
+                for p in self.params.values():
+                    if p.grad is not None:
+                        p.grad.div_(scale)  # a power of two: exact
+                self.scaler.pending = scale
+                return result
+            self.optimizer.zero_grad(set_to_none=True)
+            scale /= 2
+            if scale < LossScaler.MIN:
+                raise SpillpackError(f"the LoRA gradients of step {step + 1} are not finite even without loss scaling "
+                                     f"on a {self.engine.precision.name} base",
+                                     "spillpack doctor, then the same command with --engine torch-cpu (a float32 base)")
+
+    def _accumulate(self, micro_batches, total_targets: int, step: int, scale: float) -> tuple[float, int]:
         loss_sum, tokens = 0.0, 0
         dev = self.engine.device
-        for ids, labels in micro_batches:
+        for i, (ids, labels) in enumerate(micro_batches):
+            if self.rng is not None:
+                self.rng.manual_seed(dropout_seed(self.seed, step, i))
             ids_t = torch.from_numpy(ids).to(dev)
             labels_t = torch.from_numpy(labels).to(dev)
             # Right padding under a causal mask: real tokens never see the pads after them.
@@ -87,20 +121,36 @@ class TorchTrainSession:
             keep = labels_t != -100  # (B, T)
             logits = self.model.logits(hidden[keep]).float()  # (N, V): only positions with loss
             loss = F.cross_entropy(logits, labels_t[keep], reduction="sum")
-            (loss / total_targets).backward()
+            (loss * (scale / total_targets)).backward()
             loss_sum += float(loss.detach())
             tokens += int(ids.size)
         return loss_sum, tokens
 
+    def _optimizer_state(self, p, step: float = 0.0, exp_avg=None, exp_avg_sq=None) -> None:
+        """AdamW's state made here, as torch.optim.AdamW would lazily (step on the CPU, moments
+        beside the parameter), so no tensor of it lands on torch's default device."""
+        self.optimizer.state[p] = {
+            "step": torch.tensor(step, dtype=torch.float32, device="cpu"),
+            "exp_avg": torch.zeros_like(p) if exp_avg is None else exp_avg,
+            "exp_avg_sq": torch.zeros_like(p) if exp_avg_sq is None else exp_avg_sq,
+        }
+
     def apply(self, lr: float) -> None:
         """The optimizer update; never interrupted."""
+        for p in self.params.values():
+            if not self.optimizer.state.get(p):
+                self._optimizer_state(p)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.step_done()
 
     def discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.discard()
 
     def adapter(self) -> dict[str, np.ndarray]:
         return {n: self.params[n].detach().float().cpu().numpy().copy() for n in self.names}
@@ -112,6 +162,8 @@ class TorchTrainSession:
             if st:
                 out[f"optim.{n}.exp_avg"] = st["exp_avg"].detach().float().cpu().numpy().copy()
                 out[f"optim.{n}.exp_avg_sq"] = st["exp_avg_sq"].detach().float().cpu().numpy().copy()
+        if self.scaler is not None:
+            out.update(self.scaler.export())
         return out
 
     def load(self, tensors: dict[str, np.ndarray], step: int) -> None:
@@ -120,30 +172,24 @@ class TorchTrainSession:
             for n in self.names:
                 self.params[n].copy_(torch.from_numpy(tensors[f"adapter.{n}"]).to(dev))
                 if f"optim.{n}.exp_avg" in tensors:
-                    self.optimizer.state[self.params[n]] = {
-                        "step": torch.tensor(float(step)),
-                        "exp_avg": torch.from_numpy(tensors[f"optim.{n}.exp_avg"]).to(dev).clone(),
-                        "exp_avg_sq": torch.from_numpy(tensors[f"optim.{n}.exp_avg_sq"]).to(dev).clone(),
-                    }
+                    self._optimizer_state(self.params[n], float(step),
+                                          torch.from_numpy(tensors[f"optim.{n}.exp_avg"]).to(dev).clone(),
+                                          torch.from_numpy(tensors[f"optim.{n}.exp_avg_sq"]).to(dev).clone())
+        if self.scaler is not None:
+            self.scaler.load(tensors)
 
     def merged_weights(self) -> dict[str, np.ndarray]:
-        """Base weights with each LoRA update folded in, under the checkpoint's own names, float32."""
-        sd = {}
-        lora_modules = {n.rsplit(".lora_", 1)[0] for n in self.names}
-        for name, module in self.model.named_modules():
-            if name in lora_modules:
-                w = module.base.weight.detach().float()
-                delta = module.scale * (module.lora_B.detach() @ module.lora_A.detach())
-                sd[f"{name}.weight"] = (w + delta).cpu().numpy()
-                if module.base.bias is not None:
-                    sd[f"{name}.bias"] = module.base.bias.detach().float().cpu().numpy()
-        for name, tensor in self.model.state_dict().items():
-            if ".lora_" in name:
-                continue
-            clean = name.replace(".base.", ".")
-            if clean not in sd:
-                sd[clean] = tensor.detach().float().cpu().numpy()
-        return sd
+        """The checkpoint's own tensors, read again as float32 on the CPU, with each LoRA update
+        folded in, under the checkpoint's names. Not the device's copy: a bfloat16 base would
+        round every tensor, even those no adapter touches."""
+        weights = load_checkpoint(self.model_dir, torch.float32, "cpu")
+        for n in self.names:
+            if n.endswith(".lora_A.weight"):
+                module = n.removesuffix(".lora_A.weight")
+                A = self.params[n].detach().float().cpu()
+                B = self.params[f"{module}.lora_B.weight"].detach().float().cpu()
+                weights[f"{module}.weight"] = weights[f"{module}.weight"] + self.spec.scale * (B @ A)
+        return {k: v.numpy() for k, v in weights.items()}
 
 
 def return_freed_memory(threshold: int = 1 << 20) -> None:
@@ -163,18 +209,24 @@ def return_freed_memory(threshold: int = 1 << 20) -> None:
 
 
 class TorchEngine:
-    def __init__(self, name: str):
-        self.name = name
-        if name == "torch-cuda":
-            self.device = torch.device("cuda")
-            self.base_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        else:
-            self.device = torch.device("cpu")
-            self.base_dtype = torch.float32
-            return_freed_memory()
+    """`device` and `base_dtype` default to what the engine's name and the device call for."""
 
-    def train_session(self, model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec) -> TorchTrainSession:
-        return TorchTrainSession(self, model_dir, spec, tensors, opt)
+    def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | None = None):
+        self.name = name
+        self.device = torch.device(device if device is not None else ("cuda" if name == "torch-cuda" else "cpu"))
+        make_deterministic(self.device)  # before anything of this engine reaches the device
+        if self.device.type == "cpu":
+            return_freed_memory()
+        self.precision = device_precision(self.device) if base_dtype is None else precision_of(base_dtype)
+        self.base_dtype = self.precision.base
+        self.memory = PeakMemory(self.device)
+
+    def describe(self) -> dict:
+        """Device model, software and base dtype, recorded per process in the state's history."""
+        return {**describe(self.device), "dtype": self.precision.name, "precision": self.precision.why}
+
+    def train_session(self, model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0) -> TorchTrainSession:
+        return TorchTrainSession(self, model_dir, spec, tensors, opt, seed)
 
     def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | None = None):
         model = load_model(model_dir, dtype=self.base_dtype, device=self.device)
@@ -189,7 +241,5 @@ class TorchEngine:
         return Generator(self.load_model(model_dir, adapter).make_decoder(slots, max_len), tokenizer)
 
     def peak_mem_gb(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated() / 2**30
-        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return kb / (2**30 if sys.platform == "darwin" else 2**20)
+        """Since this engine was made (one per job): reserved memory on CUDA, peak RSS on a CPU."""
+        return self.memory.gb()

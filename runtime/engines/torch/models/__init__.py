@@ -26,6 +26,12 @@ def load_weights(files, dtype, device) -> dict:
     return weights
 
 
+def load_checkpoint(model_dir: "ModelDir", dtype=torch.float32, device="cpu") -> dict:
+    """The checkpoint's tensors under the model's names (its quirks sanitized), unchecked."""
+    arch = architecture(model_dir.config, str(model_dir.path / "config.json"))
+    return arch.sanitize(arch.args.from_dict(model_dir.config), load_weights(weight_files(model_dir.path), dtype, device))
+
+
 def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu"):
     """Build the architecture named by config.json and load its weights strictly."""
     arch = architecture(model_dir.config, str(model_dir.path / "config.json"))

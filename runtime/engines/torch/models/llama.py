@@ -37,13 +37,17 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = torch.from_numpy(r.inv_freq)  # (rotary_dim/2,) float32, on the CPU
         self.long_inv_freq = None if r.long_inv_freq is None else torch.from_numpy(r.long_inv_freq)
         self.long_from, self.scale = r.long_from, r.scale
+        self._on_device = {}  # the frequencies copied to each device once, not on every call
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and sin (B, 1, T, rotary_dim) for `apply_rope`, sin with the rotation's sign in it."""
         inv_freq = self.inv_freq
         if self.long_inv_freq is not None and int(positions.max()) + 1 > self.long_from:
             inv_freq = self.long_inv_freq  # LongRoPE: as transformers switches, per forward
-        freqs = positions[:, None, :, None].float() * inv_freq.to(positions.device)  # (B, 1, T, rotary_dim/2)
+        key = (id(inv_freq), positions.device)
+        if key not in self._on_device:
+            self._on_device[key] = inv_freq.to(positions.device)
+        freqs = positions[:, None, :, None].float() * self._on_device[key]  # (B, 1, T, rotary_dim/2)
         cos, sin = freqs.cos(), freqs.sin()
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
@@ -79,6 +83,9 @@ class KVCache:
         self.max_len = max_len
         self.all_rows = torch.arange(batch, device=device)
         self.index = None  # the slots a view covers (None: all of them, in order)
+        # The next forward's key span when the caller knows its rows' lengths on the host (the
+        # decoder does): reading it from `lengths` would stop the host until the device catches up.
+        self.next_span: int | None = None
 
     def view(self, slots: list[int]) -> "KVCache":
         """Some slots, in the given order, as one batch: writes land in this cache's storage.
@@ -92,6 +99,7 @@ class KVCache:
         view.k, view.v, view.max_len = self.k, self.v, self.max_len
         view.index = torch.tensor(slots, device=self.k.device)
         view.lengths = self.lengths[view.index]
+        view.next_span = None
         return view
 
     def write(self, layer: int, k, v, slots: torch.Tensor, span: int):
@@ -110,6 +118,8 @@ def decode_attention(q, k, v, mask, scale):
 
     The same result as SDPA with `mask`; on CPU, torch's flash kernel spends ~0.3 ms per call
     on a single query, most of a small model's decode step, where these four ops take a tenth.
+    On CUDA, SDPA with a boolean mask and grouped kv heads falls back to its math kernel, which
+    copies the keys and values out to every query head; grouping the queries instead reads them once.
     """
     B, H, _, hd = q.shape
     kv_heads = k.shape[1]
@@ -148,7 +158,7 @@ class Attention(nn.Module):
             k, v = cache.write(layer, k, v, slots, span)  # (B, kv_heads, S, head_dim)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
-        elif T == 1 and x.device.type == "cpu":
+        elif T == 1:
             out = decode_attention(q, k, v, mask, self.scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
@@ -232,7 +242,8 @@ class LlamaModel(nn.Module):
         slots = span = None
         if cache is not None:
             slots = offsets[:, None] + torch.arange(T, device=device)[None, :]  # (B, T) cache index per token
-            span = int(slots.max()) + 1
+            span = cache.next_span if cache.next_span is not None else int(slots.max()) + 1
+            cache.next_span = None
             assert span <= cache.max_len, f"KV cache overflow: need {span} positions, have {cache.max_len}"
         S = span if cache is not None else T
         if attn_mask is not None:
