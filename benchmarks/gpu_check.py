@@ -69,6 +69,7 @@ class Check:
         self.engine_name = "torch-cpu" if rehearse else "torch-cuda"
         self.device = "cpu" if rehearse else "cuda"
         self.low = torch.bfloat16 if rehearse else None  # the engine's own base dtype (None: its policy)
+        self.slow = 20 if rehearse else 1  # a shared CPU is far slower than the GPU the timeouts are sized for
         self.failures: list[str] = []
         self.figures: dict = {}
 
@@ -95,7 +96,7 @@ class Check:
     def cli(self, args, timeout=150, check=True) -> tuple[int, list[dict], str]:
         env = {**os.environ, "SPILLPACK_HEADLESS": "1", "PYTHONPATH": str(REPO)}
         r = subprocess.run([sys.executable, "-m", "spillpack", *args], capture_output=True, text=True, env=env,
-                           timeout=timeout, cwd=REPO)
+                           timeout=timeout * self.slow, cwd=REPO)
         events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
         if check:
             assert r.returncode == 0, f"spillpack {args[0]} exited {r.returncode}: {r.stderr.strip()[-400:]}"
@@ -171,7 +172,7 @@ class Check:
             if not sent and e["event"] == "step" and e["step"] >= 11:
                 p.send_signal(signal.SIGTERM)
                 sent = True
-        rc = p.wait(timeout=120)
+        rc = p.wait(timeout=120 * self.slow)
         assert sent and rc == 75, f"SIGTERM at step 11: exit {rc}, {p.stderr.read().strip()[-300:]}"
         _, events, _ = self.cli(args, timeout=200)
         restored = [e["step"] for e in events if e["event"] == "restore"]
