@@ -64,9 +64,10 @@ def test_precision_policy_per_device(capability, dtype, scaling):
 # -- bfloat16 and float16 bases on the CPU -------------------------------------------------
 
 # A LoRA step on a bfloat16 or float16 base against the same step on a float32 base, tiny,
-# 8 x 96 tokens: measured loss differences ~1e-4 (bf16) and ~2e-5 (fp16), gradient cosines
-# > 0.9999. The tolerances leave room for other CPUs' kernels, not for a wrong formula.
-LOSS_TOL = {torch.bfloat16: 2e-3, torch.float16: 5e-4}
+# 8 x 96 tokens, 3 steps (losses ~6.9 a token): measured per-token loss differences 0.8-1.0e-3
+# (bf16) and 0.9-1.3e-4 (fp16), gradient cosines >= 0.99973 (bf16) and >= 0.99999 (fp16).
+# The tolerances leave room for other CPUs' kernels, not for a wrong formula.
+LOSS_TOL = {torch.bfloat16: 5e-3, torch.float16: 1e-3}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
