@@ -254,7 +254,7 @@ class Check:
         _sync(self.device)
         tune = steps * ids.size / (time.perf_counter() - t0)
         peak = eng.peak_mem_gb()
-        del session
+        del session  # its blocks go back to the allocator; the next engine's reset returns them to the device
         gen_engine = self.engine()
         gen = gen_engine.generator(md, Tokenizer.from_dir(md.path), slots=8, max_len=128)
         for i in range(8 if self.rehearse else 32):

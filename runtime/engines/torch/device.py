@@ -76,6 +76,7 @@ class PeakMemory:
 
     def reset(self) -> None:
         if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks an earlier job of this process (a build's stage) left cached are not this job's
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         try:
