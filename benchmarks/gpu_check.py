@@ -141,16 +141,15 @@ class Check:
 
     def tune(self):
         runs = {}
-        for engine in ("auto" if not self.rehearse else "torch-cpu", "torch-cpu"):
-            state = self.work / f"tune-{engine}"
-            _, events, _ = self.cli(["tune", str(self.untied.path), str(DATA), *TUNE, "--engine", engine, "--state", str(state),
-                                     "--merge"], timeout=200)
-            runs[engine] = events
-        dev = runs["auto" if not self.rehearse else "torch-cpu"]
+        for side, engine in (("device", "auto" if not self.rehearse else "torch-cpu"), ("cpu", "torch-cpu")):
+            _, events, _ = self.cli(["tune", str(self.untied.path), str(DATA), *TUNE, "--engine", engine,
+                                     "--state", str(self.work / f"tune-{side}"), "--merge"], timeout=200)
+            runs[side] = events
+        dev = runs["device"]
         wrong = {e["engine"] for e in dev} - {self.engine_name}
         assert not wrong, f"events name engine(s) {wrong}, not {self.engine_name}"
         losses = [e["loss"] for e in dev if e["event"] == "step"]
-        cpu = [e["loss"] for e in runs["torch-cpu"] if e["event"] == "step"]
+        cpu = [e["loss"] for e in runs["cpu"] if e["event"] == "step"]
         assert len(losses) == 30 and all(math.isfinite(x) for x in losses), f"losses: {losses}"
         worst = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, cpu))
         assert worst <= 0.05, f"a loss is {worst:.1%} from torch-cpu's (> 5%)"
@@ -160,7 +159,7 @@ class Check:
         return f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, worst step {worst:.2%} from torch-cpu's"
 
     def resume(self):
-        ref = self.work / f"tune-{'auto' if not self.rehearse else 'torch-cpu'}"
+        ref = self.work / "tune-device"
         state = self.work / "tune-resumed"
         args = ["tune", str(self.untied.path), str(DATA), *TUNE, "--engine", self.engine_name, "--state", str(state), "--merge"]
         env = {**os.environ, "SPILLPACK_HEADLESS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
