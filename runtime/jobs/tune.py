@@ -61,6 +61,7 @@ def prepare(inv):
     order = BatchOrder([len(e.ids) for e in data.examples], o["batch"], o["grad_accum"], o["seed"])
     total = order.steps_for(o.get("steps"), o.get("epochs"))
     engine_name, reason = choose_engine(o.get("engine"))
+    engine_rate(engine_name)  # measured (once per machine) before the engine starts counting its peak memory
     engine = get_engine(engine_name)
     # Sized before the state is opened: a job refused here leaves no state behind that would
     # refuse the corrected command (a shorter --max-seq is another job).
