@@ -2,6 +2,7 @@
 impossible jobs are refused before any weight is read, and the planner matches measured peaks."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -153,7 +154,10 @@ def shapes(tmp_path_factory):
     return tmp_path_factory.mktemp("shapes")
 
 
+# The ~100M and Qwen2.5-0.5B shapes need 2-15 GB and minutes a step on 2 CPU cores: too long for the
+# suite's budget, so they run on request (SPILLPACK_BIG_TESTS=1); benchmarks/bench_memory.py measures the same.
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("SPILLPACK_BIG_TESTS") != "1", reason="big model shapes: set SPILLPACK_BIG_TESTS=1")
 @pytest.mark.parametrize("shape,words,mode", [("100m", 40, "off"), ("100m", 400, "off"), ("100m", 400, "on"),
                                               ("qwen2.5-0.5b", 40, "off"), ("qwen2.5-0.5b", 200, "off"), ("qwen2.5-0.5b", 200, "on")])
 def test_planner_within_20_percent_on_real_shapes(home, tmp_path, shapes, shape, words, mode):
