@@ -8,15 +8,17 @@ from the error, traceback only with --debug.
 import argparse
 import difflib
 import importlib
+import os
 import sys
 import traceback
 
 from runtime import __version__, launch
 from runtime.config.commands import COMMANDS, options_for
 from runtime.config.invocation import Invocation, resolve, write_config
-from runtime.core import ranks
+from runtime.core import progress, ranks
 from runtime.core.events import Events, headless_wanted
-from runtime.errors import SpillpackError, UsageError, from_os_error, redact
+from runtime.core.signals import Abandon, install_process_handler
+from runtime.errors import EXIT_PREEMPTED, SpillpackError, UsageError, from_os_error, redact
 
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {
@@ -60,9 +62,11 @@ def build_parser(extra: dict | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) -> int:
     """`bundle`: the runtime.bootstrap.Bundle this process runs from (run.sh), else None."""
+    install_process_handler()  # the entry points did already, before their imports; a library caller gets it here
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     headless = headless_wanted("--headless" in argv)
+    progress.set_headless(headless)
     command = next((a for a in argv if not a.startswith("-")), None)
     events = Events(command or "spillpack", headless, quiet=ranks.quiet())
     try:
@@ -85,6 +89,11 @@ def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) 
         return _fail(e, events, debug)
     except SpillpackError as e:
         return _fail(e, events, debug)
+    except Abandon:  # stopped before anything needed saving (start-up, staging, loading)
+        return _stopped_early(events)
+    except BrokenPipeError:  # the reader went away (`status ... | head`): nothing left to tell it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except OSError as e:  # the machine refused a file operation (a full disk, a read-only file system): say which
         return _fail(from_os_error(e), events, debug)
     except KeyboardInterrupt:
@@ -107,6 +116,9 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
     emit_path = ns.pop("emit_config", None)
     debug = bool(ns.get("debug"))
     plan = ns.pop("plan", False)
+    if bundle is not None and "state" not in ns and os.environ.get("SPILLPACK_STATE"):
+        # One bundle, many runs: the launch names the state; --state on run.sh's command line still wins.
+        ns["state"] = os.environ["SPILLPACK_STATE"]
     inv = invocation(command, ns, events.headless)
     if emit_path:
         from runtime.models.ref import check_model_tags
@@ -115,6 +127,7 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
         write_config(inv, emit_path)
         events.say(f"wrote {emit_path}; run it with: spillpack {command} --config {emit_path}")
         return 0
+    install_process_handler().check()  # stopped while starting: nothing is written
     group = None if plan else launch.wanted(command, inv.options)  # a plan is one process's, whatever --nproc says
     if group is not None:  # each worker runs this same command line as one rank
         from runtime.engines.hardware import choose_engine
@@ -128,6 +141,26 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
     return (module.plan_only(inv, events) if plan else module.main(inv, events)).code
 
 
+def _stopped_early(events: Events) -> int:
+    handler = install_process_handler()
+    events.emit("preempted", signal=handler.signal_name or "SIGTERM", abandoned_quantum=True)
+    return EXIT_PREEMPTED
+
+
+def exit_process(code: int) -> None:
+    """Exit with `code`. After a preemption nothing is left to save, and a download abandoned
+    mid-way may still hold transfer threads that the interpreter would wait for at exit:
+    leave at once so the exit lands within the grace period."""
+    if code == EXIT_PREEMPTED:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
 def _fail(err: SpillpackError, events: Events, debug: bool) -> int:
     if debug:  # redacted like every other line we print: an endpoint URL may carry credentials
         sys.stderr.write(redact(traceback.format_exc()))
@@ -138,4 +171,4 @@ def _fail(err: SpillpackError, events: Events, debug: bool) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    exit_process(main())

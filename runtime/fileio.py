@@ -17,7 +17,7 @@ from pathlib import Path
 CHUNK = 1 << 20
 
 
-def temp_beside(path: Path, data: bytes | None = None, source: Path | None = None) -> str:
+def temp_beside(path: Path, data: bytes | None = None, source: Path | None = None, durable: bool = True) -> str:
     """A complete, synced private file next to `path` (same filesystem, so it can be renamed
     or linked into place), holding `data` or a copy of `source`. Its name starts with '.' and
     ends with '.tmp', which the stores' listings skip."""
@@ -32,15 +32,18 @@ def temp_beside(path: Path, data: bytes | None = None, source: Path | None = Non
             else:
                 f.write(data or b"")
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
     except BaseException:
         unlink(tmp)
         raise
     return tmp
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    _into_place(temp_beside(path, data), path)
+def atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
+    """`durable=False` for hints that must survive a killed process but not a lost machine:
+    whole or absent, without the cost of an fsync."""
+    _into_place(temp_beside(path, data, durable=durable), path)
 
 
 def atomic_copy(source: Path, path: Path) -> None:

@@ -1,7 +1,6 @@
 """`spillpack`: the runtime's job commands plus what only a laptop needs (pack, models)."""
 
-import sys
-
+from runtime.cli import exit_process
 from runtime.cli import main as runtime_main
 
 LAPTOP_COMMANDS = {
@@ -11,4 +10,4 @@ LAPTOP_COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    sys.exit(runtime_main(argv, extra=LAPTOP_COMMANDS))
+    exit_process(runtime_main(argv, extra=LAPTOP_COMMANDS))

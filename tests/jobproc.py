@@ -31,3 +31,26 @@ def run_until(args, when, sig=signal.SIGTERM, env=None, timeout=300) -> tuple[in
     err = p.stderr.read()
     assert sent, f"the job ended before the signal was sent: {err}"
     return rc, events, err
+
+
+def handler_installed(pid: int, sig=signal.SIGTERM) -> bool:
+    """Whether process `pid` catches `sig` yet (SigCgt in /proc): before that moment, no code
+    of ours runs in it, and the kernel's default action is all a signal can meet."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(caught >> (int(sig) - 1) & 1)
+
+
+def signal_after(p: subprocess.Popen, seconds: float, sig=signal.SIGTERM) -> None:
+    """Send `sig` `seconds` after the start, or, on a machine so loaded that the interpreter
+    has not reached our handler by then, at the first moment it has (the promise begins there)."""
+    import time
+
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    while not handler_installed(p.pid, sig) and p.poll() is None and time.monotonic() - t0 < 60:
+        time.sleep(0.005)
+    p.send_signal(sig)

@@ -151,10 +151,10 @@ def test_09_status_does_not_call_a_process_that_exited_1_a_hard_kill(home, data,
         one_line(tune(data, state, "--steps", "4", "--lr", "1e30", "--ckpt-every", "1"), "diverged")
     r = run_cli(["status", str(state)])
     assert r.returncode == 0, r.stderr
-    told = events_of(r.stdout)[0]
-    assert [p["hard_killed"] for p in told["processes"]] == [False, False]
-    assert [p["end"]["what"] for p in told["processes"]] == ["failed", "failed"]
-    assert "HARD KILL" not in "\n".join(told["story"])
+    told = events_of(r.stdout)
+    assert not [e for e in told if e["kind"] == "hard_kill"]
+    assert [e["kind"] for e in told if e["kind"] in ("process", "failed")] == ["process", "failed", "process", "failed"]
+    assert "HARD KILL" not in "\n".join(e["text"] for e in told)
 
 
 # -- 10: identity travels with every checkpoint ----------------------------------------------------

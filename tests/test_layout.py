@@ -27,12 +27,12 @@ def test_runtime_never_imports_the_packer_or_test_peers():
 def test_bootstrap_imports_only_the_standard_library_its_siblings_and_errors():
     """run.sh's start-up code runs before the zipapp's sys.path is complete, and the packer
     imports it: it may import nothing but the standard library, runtime.bootstrap.*, runtime.errors and
-    runtime.fileio (stdlib-only too),
-    plus the hand-over to the CLI in start.py, once the platform's packages are on sys.path."""
+    runtime.fileio and runtime.core.signals (stdlib-only too: the preemption handler is installed
+    first thing), plus the hand-over to the CLI in start.py, once the platform's packages are on sys.path."""
     import sys
 
     offenders = {}
-    for p in sorted((REPO / "runtime" / "bootstrap").glob("*.py")):
+    for p in [*sorted((REPO / "runtime" / "bootstrap").glob("*.py")), REPO / "runtime" / "core" / "signals.py"]:
         for node in ast.walk(ast.parse(p.read_text(), str(p))):
             names = []
             if isinstance(node, ast.Import):
@@ -40,7 +40,7 @@ def test_bootstrap_imports_only_the_standard_library_its_siblings_and_errors():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""] if node.level == 0 else ["runtime.bootstrap"]
             for name in names:
-                ok = (name.split(".")[0] in sys.stdlib_module_names or name in ("runtime.errors", "runtime.fileio")
+                ok = (name.split(".")[0] in sys.stdlib_module_names or name in ("runtime.errors", "runtime.fileio", "runtime.core.signals")
                       or (p.name == "start.py" and name == "runtime.cli")
                       or name == "runtime.bootstrap" or name.startswith("runtime.bootstrap."))
                 if not ok:

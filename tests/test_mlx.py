@@ -239,10 +239,9 @@ def test_tune_resumes_on_the_other_engine(home, tmp_path, reference_losses, firs
     # The history says which engine ran which steps, as `spillpack status` tells it.
     st = run_cli(["status", str(state)])
     assert st.returncode == 0, st.stderr
-    procs = [e for e in events_of(st.stdout) if e["event"] == "status"][0]["processes"]
-    assert [(p["engine"], (p["resumed_from"] or {}).get("step", 0), p["end"]) for p in procs] == [
-        (first, 0, {"what": "stopped", "step": 4}), (second, 4, {"what": "done", "step": 8})]
-    story = [e for e in events_of(st.stdout) if e["event"] == "status"][0]["story"]
+    told = [(e["kind"], e.get("engine"), e["step"]) for e in events_of(st.stdout) if e["kind"] in ("process", "resume", "stopped", "done")]
+    assert told == [("process", first, None), ("stopped", None, 4), ("process", second, None), ("resume", None, 4), ("done", None, 8)]
+    story = [e["text"] for e in events_of(st.stdout)]
     assert any(f"engine {first}" in line for line in story) and any(f"engine {second}" in line for line in story)
 
 
@@ -308,5 +307,5 @@ def test_run_resumes_on_the_other_engine(home, tmp_path, clean_rows, first, seco
     assert restored and restored[0] >= 3
     assert sum(e["event"] == "row" for e in ev1) + sum(e["event"] == "row" for e in ev2) == 8
     assert out.read_bytes() == expected
-    procs = events_of(run_cli(["status", state]).stdout)[0]["processes"]
+    procs = [e for e in events_of(run_cli(["status", state]).stdout) if e["kind"] == "process"]
     assert [p["engine"] for p in procs] == [first, second]

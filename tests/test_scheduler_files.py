@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spillpack.schedulers import EXAMPLE, EXAMPLE_SHARDED, EXAMPLES, KINDS, render
+from spillpack.schedulers import BUILD_EXAMPLE, EXAMPLE, EXAMPLE_SHARDED, EXAMPLES, KINDS, render, values_for
 from tests.conftest import REPO
 from tests.scheduler_checks import kubernetes_problems, skypilot_problems
 
@@ -23,7 +23,8 @@ K8S_VERSIONS = ("1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0")  # what the ex
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_examples_are_the_templates_rendered(kind):
-    for values in (EXAMPLE, EXAMPLE_SHARDED):  # the group's: test_scheduler_groups.py
+    examples = (EXAMPLE, EXAMPLE_SHARDED, BUILD_EXAMPLE) if kind == "skypilot" else (EXAMPLE, EXAMPLE_SHARDED)
+    for values in examples:  # the group's: test_scheduler_groups.py
         for fname, text in render(kind, values).items():
             assert (EXAMPLES / kind / fname).read_text() == text, f"{fname}: run python -m spillpack.schedulers"
             assert (EXAMPLES / kind / "README.md").exists()
@@ -73,13 +74,16 @@ def test_skypilot_sharded_example_is_one_managed_job_per_shard(tmp_path):
     assert "for i in $(seq 0 3)" in text and "--env SPILLPACK_SHARD=$i" in text and "-n spillpack-rows-$i" in text
 
 
-def test_skypilot_example_parses_and_keeps_the_contract(sky_dir):
-    src = EXAMPLES / "skypilot" / f"{EXAMPLE.bundle}.sky.yaml"
+@pytest.mark.parametrize("example", [BUILD_EXAMPLE, EXAMPLE], ids=["build", "tune"])
+def test_skypilot_example_parses_and_keeps_the_contract(sky_dir, example):
+    (sky_dir / example.bundle).mkdir(exist_ok=True)
+    src = EXAMPLES / "skypilot" / f"{example.bundle}.sky.yaml"
     shutil.copy(src, sky_dir / src.name)
     parsed = sky_parse(sky_dir / src.name)
     assert parsed["sky_version"] == "0.14.1"
     raw = yaml.safe_load(src.read_text())
-    assert skypilot_problems(raw, parsed, EXAMPLE.bundle) == []
+    assert skypilot_problems(raw, parsed, example.bundle) == []
+    assert example.job in src.read_text().splitlines()[0]
 
 
 @pytest.mark.parametrize("mutate,problem", [
@@ -106,6 +110,34 @@ def test_skypilot_parser_refuses_a_bad_exit_code(sky_dir):
 
 
 # -- Kubernetes ---------------------------------------------------------------------------
+
+
+def _k8s_job(python: str, with_torch: bool) -> dict:
+    config = {"command": "tune", "options": {"name": "mine", "state": "s3://b/state/mine"}}
+    values = values_for(config, Path("/x/mine"), python, with_torch)
+    text = render("kubernetes", values)["mine.k8s-cuda.yaml"]
+    return yaml.safe_load(text), text
+
+
+@pytest.mark.parametrize("python,with_torch,image", [("3.11", False, "pytorch/pytorch:"), ("3.12", False, "python:3.12-slim"),
+                                                     ("3.10", True, "python:3.10-slim"), ("3.11", True, "python:3.11-slim")])
+def test_kubernetes_image_follows_the_packs_python_and_torch(python, with_torch, image):
+    doc, text = _k8s_job(python, with_torch)
+    spec = doc["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    assert container["image"].startswith(image)
+    assert f"Python {python}" in text and "Python 3.11" not in text.replace(f"Python {python}", "") or python == "3.11"
+    if image.startswith("python:") and not with_torch:  # no torch in the image nor the bundle: installed at start
+        assert container["command"][:2] == ["sh", "-c"] and "pip install" in container["command"][2]
+        assert container["command"][4] == "/work/mine/run.sh"
+    else:
+        assert container["command"] == ["sh", "/work/mine/run.sh"]
+    assert kubernetes_problems(doc) == []
+    # The pod's grace period is the job's budget.
+    grace = spec["terminationGracePeriodSeconds"]
+    assert {"name": "SPILLPACK_GRACE_S", "value": str(grace)} in container["env"]
+    kv = pytest.importorskip("kubernetes_validate")
+    kv.validate(doc, K8S_VERSIONS[0], strict=True)
 
 def k8s_docs():
     for path in sorted((EXAMPLES / "kubernetes").glob(f"{EXAMPLE.bundle}.k8s-*.yaml")):  # the group's: test_scheduler_groups.py

@@ -114,8 +114,8 @@ def test_shards_merge_equals_an_unsharded_run_and_resume_completes_a_cut_merge(h
     # A merger killed after creating results.jsonl leaves no record and no --out: resume completes it.
     (state / "merged.json").unlink()
     out.unlink()
-    told = events_of(run_cli(["status", str(state)]).stdout)[0]
-    assert told["merge"]["cut_short"] and told["merge"]["claimed_by_shard"] == 1
+    merge = next(e for e in events_of(run_cli(["status", str(state)]).stdout) if e["kind"] == "merge")
+    assert merge["cut_short"] and merge["claimed_by_shard"] == 1
     done = run_cli(["resume", str(state)])
     assert done.returncode == 0, done.stderr
     record = json.loads((state / "merged.json").read_text())
@@ -125,11 +125,12 @@ def test_shards_merge_equals_an_unsharded_run_and_resume_completes_a_cut_merge(h
     again = run_cli(args + ["--shard", "2"])
     assert again.returncode == 0 and not any(e["event"] == "row" for e in events_of(again.stdout))
 
-    told = events_of(run_cli(["status", str(state)]).stdout)[0]
-    assert [(s["shard"], s["rows_done"], s["rows"], s["done"]) for s in told["shards"]] == [(0, 3, 3, True), (1, 3, 3, True),
-                                                                                              (2, 4, 4, True)]
-    assert told["merge"]["merged"] and told["merge"]["rows"] == 10
-    assert any(line.startswith("merged: 10 rows by a process without a shard") for line in told["story"])
+    told = events_of(run_cli(["status", str(state)]).stdout)
+    shards = [e for e in told if e["kind"] == "shard"]
+    merge = next(e for e in told if e["kind"] == "merge")
+    assert [(s["shard"], s["rows_done"], s["rows"], s["done"]) for s in shards] == [(0, 3, 3, True), (1, 3, 3, True), (2, 4, 4, True)]
+    assert merge["merged"] and merge["rows"] == 10
+    assert merge["text"].startswith("merged: 10 rows by a process without a shard")
 
 
 @pytest.mark.slow

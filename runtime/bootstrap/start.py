@@ -45,6 +45,9 @@ def prepare(argv: list[str]) -> Bundle | int | None:
 
 
 def entry() -> None:
+    from runtime.core.signals import install_process_handler
+
+    install_process_handler()  # first: a stop while the bundle starts (wheels, imports) exits 75, not 143
     argv = sys.argv[1:]
     try:
         bundle = prepare(argv)
@@ -53,6 +56,6 @@ def entry() -> None:
         sys.exit(e.exit_code)
     if isinstance(bundle, int):
         sys.exit(bundle)
-    from runtime.cli import main
+    from runtime.cli import exit_process, main
 
-    sys.exit(main(argv, bundle=bundle))
+    exit_process(main(argv, bundle=bundle))

@@ -4,8 +4,6 @@ import os
 import platform
 import sys
 
-import orjson
-
 from runtime import __version__
 from runtime.engines.hardware import ENGINE_NAMES, choose_engine, cuda_facts, disk_free_gb, measure, memory_for, memory_gb, probe, remember_rate
 from runtime.engines.nvidia import CudaFacts
@@ -66,7 +64,7 @@ def report(engine: str = "auto", measure_rates: bool = True, cuda: CudaFacts | N
 def main(ns: dict, events) -> int:
     r = report(ns.get("engine", "auto"), not ns.get("no_measure"))
     if events.headless:
-        events.out.write(orjson.dumps(r).decode() + "\n")
+        events.emit("doctor", **r)  # an event like every command's: its `engine` is the one a job would use here
         return 0
     lines = [
         f"spillpack {r['spillpack']} on {r['machine']}, Python {r['python']} ({r['executable']})",

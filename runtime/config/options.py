@@ -130,6 +130,9 @@ SHARED = (
     Opt("engine", "auto", choices=ENGINES, per_run=True, help="mlx, torch-cuda or torch-cpu (default: chosen for this machine)"),
     Opt("preemption_notice", "auto", choices=NOTICE_MODES, per_run=True,
         help="also stop (checkpoint, exit 75) on a cloud's spot notice in the instance metadata; auto finds AWS or GCP, if any"),
+    Opt("grace_s", None, float, per_run=True, above=0, metavar="SECONDS",
+        help="the platform's grace period between SIGTERM and SIGKILL: the checkpoint is committed and the job exits within it "
+             "(default: SPILLPACK_GRACE_S, else 30)"),
     Opt("stop_after", None, _stop_after, per_run=True, help="stop cleanly (exit 0) after N steps or rows", metavar="N"),
     Opt("headless", False, flag=True, in_config=False, help="JSON-line events on stdout (automatic when stdout is not a terminal)"),
     Opt("debug", False, flag=True, in_config=False, help="show tracebacks"),

@@ -93,7 +93,10 @@ class Events:
             if not self._live or not self.err.isatty():
                 self.say(f"checkpoint at {r['step']} committed to {r['uri']} in {r['seconds']:.2f}s")
         elif ev == "preempted":
-            self.say(f"preempted by {r['signal']}: checkpoint committed at {r['step']}; run the same command again to continue")
+            if r["step"] is None:
+                self.say(f"preempted by {r['signal']} while starting: nothing to save; run the same command again")
+            else:
+                self.say(f"preempted by {r['signal']}: checkpoint committed at {r['step']}; run the same command again to continue")
         elif ev == "stage":
             if r.get("status") == "start":
                 self.say(f"[{r['stage']}] {r.get('message') or 'starting'}")

@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from runtime.core import ranks
+from runtime.core import place, ranks
 from runtime.core.events import Events
 from runtime.core.notices import NoticeWatcher, start_watcher
-from runtime.core.signals import Abandon, Preemption
+from runtime.core.signals import PROMISE_S, Abandon, Preemption, grace_from_env, install_process_handler
 from runtime.engines import get_engine
 from runtime.engines.hardware import choose_engine
 from runtime.errors import EXIT_OK, EXIT_PREEMPTED, SpillpackError
@@ -105,6 +105,12 @@ class Job:
         is written, and the process works in the shard's state (runtime/jobs/shards.py).
         `upgrade(old_identity, uri)` reads an identity written by an older version (JobState)."""
         o = inv.options
+        # The process's handler has been recording since start-up: a stop asked for before
+        # the state is opened ends the job here, with nothing written.
+        preemption = install_process_handler()
+        preemption.set_grace(o.get("grace_s") or grace_from_env(strict=True) or PROMISE_S)
+        preemption.expected_step_s = 0.0  # a build's stage does not inherit the previous stage's step times
+        preemption.check()
         engine_name, reason = choose_engine(o.get("engine"))
         events.engine = engine_name
         group = open_group(engine_name, inv.command)
@@ -112,15 +118,15 @@ class Job:
         state = root = None
         if group is None or group.writer:
             root = JobState(open_store(uri), identity, engine=engine_name, upgrade=upgrade)
-            root.open(log=shard is None, **({"world": group.world, "hosts": group.hosts} if group else {}))
+            root.open(log=shard is None, **place.describe(engine_name), **({"world": group.world, "hosts": group.hosts} if group else {}))
             state = root
             if shard is not None:
                 state = root.shard(shard["shard"], shard)
-                state.open()
+                state.open(**place.describe(engine_name))
             config = inv.to_config()
             root.save_invocation({**config, "options": {**config["options"], "state": uri}})
-        preemption = Preemption().install()
-        notices = start_watcher(o.get("preemption_notice"), preemption)
+        on_place = (lambda info: state.log("place", **info)) if state is not None else None
+        notices = start_watcher(o.get("preemption_notice"), preemption, on_place=on_place)
         return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices, group,
                    root.uri if root is not None else uri, root=root if shard is not None else None)
 
@@ -137,6 +143,9 @@ class Job:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and issubclass(exc_type, Abandon) and self.writer:
+            # Stopped where nothing new was settled (loading, staging): the CLI emits `preempted`.
+            self.state.log("interrupted", signal=self.preemption.signal_name or "SIGTERM", step=None, abandoned_quantum=True)
         self.close(failed=exc_type is not None)
         if isinstance(exc, Exception) and self.state is not None:
             # An end record, so `spillpack status` never takes a process that stopped on an
@@ -149,14 +158,12 @@ class Job:
         return False
 
     def close(self, failed: bool = False) -> None:
+        # The process's handler stays: a stop after the job's end leaves the exit code alone.
         self.notices.stop()
-        try:
-            # The other ranks wait here for rank 0's last commit; a failed rank does not wait
-            # (the launcher ends the group when it exits).
-            if self.group is not None and not failed:
-                self.group.finish()
-        finally:
-            self.preemption.uninstall()
+        # The other ranks wait here for rank 0's last commit; a failed rank does not wait
+        # (the launcher ends the group when it exits).
+        if self.group is not None and not failed:
+            self.group.finish()
 
     @property
     def writer(self) -> bool:
@@ -205,10 +212,12 @@ class Job:
         return time.monotonic() - self.t0
 
     def progress(self, done: int) -> None:
-        """How far this process got (steps or rows), written at most every PROGRESS_EVERY_S."""
+        """How far this process got (steps or rows): after every quantum where that is cheap (a local
+        state), so a hard kill's repeated work is counted exactly; at most every PROGRESS_EVERY_S
+        elsewhere (S3: a PUT each)."""
         self.state_step = done
         now = time.monotonic()
-        if self.writer and now - self._progress_at >= self.PROGRESS_EVERY_S:
+        if self.writer and (self.state.store.cheap_hints or now - self._progress_at >= self.PROGRESS_EVERY_S):
             self._progress_at = now
             self.state.note_progress(done)
 
@@ -222,11 +231,16 @@ class Job:
 
     def preempted(self, step: int, abandoned_quantum: bool, emit: bool = True) -> Outcome:
         """`emit=False` when the event was already emitted by the stage that stopped (a build)."""
-        sig = self.preemption.signal_name or "SIGTERM"
+        p = self.preemption
+        sig = p.signal_name or "SIGTERM"
+        # From the signal to the committed state: what the platform's grace period had to cover.
+        since = round(time.monotonic() - p.t_signal, 3) if p.t_signal is not None else None
+        signalled = round(time.time() - since, 3) if since is not None else None
         if self.writer:
-            self.state.log("interrupted", signal=sig, step=step, abandoned_quantum=abandoned_quantum)
+            self.state.log("interrupted", signal=sig, step=step, abandoned_quantum=abandoned_quantum, seconds=since,
+                           grace_s=p.promise_s, signalled=signalled)
         if emit:
-            self.events.emit("preempted", step=step, signal=sig, abandoned_quantum=abandoned_quantum)
+            self.events.emit("preempted", step=step, signal=sig, abandoned_quantum=abandoned_quantum, seconds=since, grace_s=p.promise_s)
         return Outcome(EXIT_PREEMPTED)
 
     def done(self, step: int, complete: bool, **summary) -> Outcome:

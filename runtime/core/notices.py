@@ -22,7 +22,9 @@ MODES = ("auto", "aws", "gcp", "off")
 METADATA_URL = "http://169.254.169.254"
 AWS_TOKEN = "/latest/api/token"
 AWS_ACTION = "/latest/meta-data/spot/instance-action"
+AWS_PLACE = {"zone": "/latest/meta-data/placement/availability-zone", "instance_type": "/latest/meta-data/instance-type"}
 GCP_PREEMPTED = "/computeMetadata/v1/instance/preempted"
+GCP_PLACE = {"zone": "/computeMetadata/v1/instance/zone", "instance_type": "/computeMetadata/v1/instance/machine-type"}
 POLL_S = 5.0  # AWS's advice for instance-action; its notice comes two minutes ahead
 CONNECT_TIMEOUT_S = 0.5  # a link-local server answers in milliseconds, or is not there
 TOKEN_TTL_S = 21600
@@ -81,6 +83,10 @@ class AwsSpot:
             got = _request(self.base + AWS_ACTION, headers={"X-aws-ec2-metadata-token": self.token or ""})
         return bool(got and got[0] == 200 and b"action" in got[2])
 
+    def place(self) -> dict:
+        headers = {"X-aws-ec2-metadata-token": self.token} if self.token else {}
+        return {"cloud": "aws", **_fields(self.base, AWS_PLACE, headers)}
+
 
 class GcpPreempted:
     """`instance/preempted` reads TRUE once the VM is being preempted."""
@@ -101,9 +107,22 @@ class GcpPreempted:
         got = self._ask()
         return bool(got and got[0] == 200 and got[2].strip().upper() == b"TRUE")
 
+    def place(self) -> dict:
+        # GCP answers with paths: projects/123/zones/us-central1-a, projects/123/machineTypes/n2-standard-8
+        return {"cloud": "gcp", **{k: v.rsplit("/", 1)[-1] for k, v in _fields(self.base, GCP_PLACE, {"Metadata-Flavor": "Google"}).items()}}
+
+
+def _fields(base: str, paths: dict, headers: dict) -> dict:
+    out = {}
+    for key, path in paths.items():
+        got = _request(base + path, headers=headers)
+        if got and got[0] == 200 and got[2].strip():
+            out[key] = got[2].decode(errors="replace").strip()
+    return out
+
 
 class NoticeWatcher:
-    def __init__(self, mode: str, preemption, base: str | None = None, poll_s: float | None = None):
+    def __init__(self, mode: str, preemption, base: str | None = None, poll_s: float | None = None, on_place=None):
         if mode not in MODES:
             raise ValueError(mode)
         self.mode = mode
@@ -111,6 +130,7 @@ class NoticeWatcher:
         self.base = base or metadata_url()
         self.poll_s = poll_seconds() if poll_s is None else poll_s
         self.source = None  # the provider found, once detection has run
+        self.on_place = on_place  # called once with the cloud's zone and instance type, when a server answers
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -150,6 +170,11 @@ class NoticeWatcher:
             return
         if self.mode != "auto" and isinstance(self.source, AwsSpot):
             self.source.token = self.source._token()
+        if self.on_place is not None:
+            try:
+                self.on_place(self.source.place())
+            except Exception:
+                pass  # a note for `status` must never stop the watcher
         while not self._stop.is_set():
             if self.source.notice():
                 if not self._stop.is_set():
@@ -158,5 +183,5 @@ class NoticeWatcher:
             self._stop.wait(self.poll_s)
 
 
-def start_watcher(mode: str | None, preemption) -> NoticeWatcher:
-    return NoticeWatcher(mode or "auto", preemption).start()
+def start_watcher(mode: str | None, preemption, on_place=None) -> NoticeWatcher:
+    return NoticeWatcher(mode or "auto", preemption, on_place=on_place).start()

@@ -1,20 +1,50 @@
-"""Preemption: SIGTERM or SIGINT means "commit a checkpoint and exit 75 within 30 s".
+"""Preemption: SIGTERM, SIGHUP or SIGINT means "commit a checkpoint and exit 75 within the grace".
 
-A job asks `stop_requested` between steps. The step in flight is finished when it fits
-in the budget (its expected length, from the job's own timings) and abandoned when it
-does not: the handler (or an alarm set for the latest moment) raises `Abandon` inside
-the step, which the job catches and then commits the last finished state. Only code
-inside `abandonable()` can be interrupted, so an optimizer update or a state write is
-never torn. A second signal abandons at once.
+The handler is installed first thing in the process (`install_process_handler`, called by
+the entry points before any heavy import), so a stop is never the default action's exit 143:
+before the job has opened its state it is only recorded, and the job stops at its next
+check (`check()`, `Job.open`) with nothing written; a download or a load in progress
+(`setup()`) is abandoned at once.
+
+Inside the job, a stop is asked for between quanta (`stop_requested`). The quantum in flight
+is finished when it fits in the budget (its expected length, from the job's own timings) and
+abandoned when it does not: the handler (or an alarm set for the latest moment) raises
+`Abandon` inside the quantum, which the job catches and then commits the last finished state.
+Only code inside `abandonable()` can be interrupted, so an optimizer update or a state write
+is never torn. A second signal abandons at once.
+
+The budget is the platform's grace period: `--grace-s`, else SPILLPACK_GRACE_S, else 30 s
+(spill's promise and a GCP spot notice); the reserve kept for the commit scales with it.
 """
 
+import os
 import signal
 import threading
 import time
 from contextlib import contextmanager
 
-PROMISE_S = 30.0  # docs/events.md: checkpoint committed and exit within 30 seconds
-COMMIT_RESERVE_S = 10.0  # time kept for committing the checkpoint after the step
+PROMISE_S = 30.0  # the default grace: checkpoint committed and exit within 30 seconds
+RESERVE_SHARE = 1 / 3  # of the grace, kept for committing the checkpoint after the quantum
+SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)  # SIGHUP: an ssh session dropping
+
+
+def grace_from_env(strict: bool = False) -> float | None:
+    """SPILLPACK_GRACE_S as seconds, None when unset. `strict`: a value that is not a positive
+    finite number is one error line (the job checks it; the early handler just uses 30 s)."""
+    raw = os.environ.get("SPILLPACK_GRACE_S", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if 0 < value < float("inf"):
+        return value
+    if strict:
+        from runtime.errors import SpillpackError
+
+        raise SpillpackError(f"SPILLPACK_GRACE_S={raw!r} is not a positive number of seconds", "export SPILLPACK_GRACE_S=30")
+    return None
 
 
 class Abandon(BaseException):
@@ -23,9 +53,9 @@ class Abandon(BaseException):
 
 
 class Preemption:
-    def __init__(self, promise_s: float = PROMISE_S, reserve_s: float = COMMIT_RESERVE_S):
+    def __init__(self, promise_s: float = PROMISE_S, reserve_s: float | None = None):
         self.promise_s = promise_s
-        self.reserve_s = reserve_s
+        self.reserve_s = promise_s * RESERVE_SHARE if reserve_s is None else reserve_s
         self.signal_name: str | None = None
         self.t_signal: float | None = None
         self.count = 0
@@ -40,8 +70,13 @@ class Preemption:
     def stop_requested(self) -> bool:
         return self.count > 0
 
+    def set_grace(self, seconds: float) -> None:
+        """The platform's grace period: the promise, and the commit reserve in proportion."""
+        self.promise_s = float(seconds)
+        self.reserve_s = self.promise_s * RESERVE_SHARE
+
     def install(self) -> "Preemption":
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         signal.signal(signal.SIGALRM, self._on_alarm)
         return self
@@ -52,6 +87,11 @@ class Preemption:
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
             self._previous.clear()
+
+    def check(self) -> None:
+        """Stop here if a stop was asked for (a point where nothing needs saving)."""
+        if self.stop_requested:
+            raise Abandon()
 
     def request(self, name: str) -> None:
         """A stop asked for without a signal (a cloud's preemption notice): same as SIGTERM.
@@ -117,3 +157,20 @@ class Preemption:
                 yield
         finally:
             self.expected_step_s = saved
+
+
+_process: Preemption | None = None
+
+
+def install_process_handler() -> Preemption:
+    """The process's one handler, installed once by each entry point before heavy imports;
+    every job (and a build's stages) in this process shares it."""
+    global _process
+    if _process is None:
+        _process = Preemption(grace_from_env() or PROMISE_S).install()
+    return _process
+
+
+def process_handler() -> Preemption | None:
+    """The process's handler, or None where no entry point installed one (a library caller)."""
+    return _process

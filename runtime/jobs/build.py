@@ -26,8 +26,9 @@ from runtime.core.job import Job, Outcome
 from runtime.data.train import read_bytes
 from runtime.errors import EXIT_OK, SpillpackError
 from runtime.fileio import sha256_bytes
-from runtime.jobs import shards
+from runtime.jobs import estimate, shards
 from runtime.jobs.rowjob import RESULTS
+from runtime.models.ref import resolve_model
 from runtime.state.jobstate import JobState, StateConflict
 from runtime.state.store import local_file, open_store
 
@@ -108,7 +109,7 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
     if scores:
         job.restored(len(scores), job.state.uri)
     events.emit("start", step=len(scores), job=o["name"], model=o["student"], placement=f"{job.engine_name}: {job.engine_reason}",
-                state=job.state.uri, estimated_seconds=None, stages=stages,
+                state=job.state.uri, estimated_seconds=_estimate(files, stages, scores, o), stages=stages,
                 message=f"build {folder}: {' -> '.join(stages)} for {o['student']}"
                         + (" (prompts.jsonl unused: no --teacher)" if "prompts.jsonl" in files and "distill" not in stages else "")
                         + (f" ({len(scores)} done before)" if scores else "") + f"; state at {job.state.uri}")
@@ -143,7 +144,7 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
             store.write(TUNE_DATA, _tune_data(files, store))
         command, given = plans[stage]
         given = {**given, "state": store.child_uri(f"stages/{stage}"), "name": f"{o['name']}-{stage}",
-                 "stop_after": stop_n if stage == stop_stage else None}
+                 "stop_after": stop_n if stage == stop_stage else None, "grace_s": o.get("grace_s")}
         if sharded and stage in SPLIT:
             given.update(shards=split.count, shard=split.index)
         sub = resolve(command, given, headless=events.headless, debug=inv.debug, bundle=inv.bundle)
@@ -202,6 +203,22 @@ def _wait(job: Job, events, ready, what: str, step: int) -> Outcome | None:
             said = True
         time.sleep(WAIT_S)
     return None
+def _estimate(files: dict, stages: list[str], scores: dict, o: dict) -> float:
+    """The stages still to run, guessed from the student's shape and the folder's sizes (about
+    4 bytes a token; every row generating its --max-tokens): a first guess, as for every job."""
+    config = resolve_model(o["student"], o.get("weights")).config
+    rows = {name: sum(1 for line in data.splitlines() if line.strip()) for name, data in files.items()}
+    seconds = 0.0
+    for stage in stages:
+        if stage in scores:
+            continue
+        source = "prompts.jsonl" if stage == "distill" else "evals.jsonl"
+        if stage == "tune":
+            epochs = o["epochs"] if o.get("steps") is None else o["steps"] * COMMANDS["tune"].option("batch").default / max(1, rows.get("train.jsonl", 1))
+            seconds += estimate.train_seconds(config, int(len(files.get("train.jsonl", b"")) / 4 * epochs))
+        else:
+            seconds += estimate.generation_seconds(config, len(files[source]) // 4, rows[source] * o["max_tokens"], o["batch"])
+    return round(seconds, 1)
 
 
 def _tune_data(files: dict, store) -> bytes:

@@ -24,9 +24,10 @@ from runtime.config.invocation import Invocation
 from runtime.data.train import read_bytes
 from runtime.errors import SpillpackError, UsageError
 from runtime.core.job import Job, Outcome
+from runtime.core.signals import Abandon
 from runtime.fileio import sha256_bytes
 from runtime.generation import Request
-from runtime.jobs import shards
+from runtime.jobs import estimate, shards
 from runtime.models.ref import local_path, resolve_model
 from runtime.data.rows import Row, encode_rows, error_line, ok_line, parse_rows
 from runtime.state.store import check_output, open_store
@@ -123,14 +124,21 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     if work.lines:
         job.restored(len(work.lines), state.uri)
     gen_tokens = sum(r.max_tokens for r in work.todo)
+    est = estimate.generation_seconds(model_dir.config, sum(len(r.prompt_ids) for r in work.todo), gen_tokens, o["batch"])
     extra = {"shard": job.state.identity.get("shard"), "shards": job.state.identity.get("shards")} if job.root else {}
     events.emit("start", step=len(work.lines), job=o["name"], model=a[task.model_arg],
-                placement=f"{job.engine_name}: {job.engine_reason}", state=state.uri, estimated_seconds=None, total=total, **extra,
+                placement=f"{job.engine_name}: {job.engine_reason}", state=state.uri, estimated_seconds=est, total=total, **extra,
                 message=f"{task.command} {a[task.model_arg]} on {a[task.input_arg]}{label}: {len(work.todo)} of {total} rows to generate "
                         f"({len(work.lines)} done or failed, up to {gen_tokens} new tokens) in batches of {o['batch']} "
                         f"on {job.engine_name}; state at {state.uri}")
     if work.todo and (o.get("stop_after") is None or work.done < o["stop_after"]):
-        work.start(job.open_engine(), model_dir, tokenizer, adapter)
+        engine = job.open_engine()  # imports torch: never abandoned mid-import, a stop waits for it
+        try:
+            with job.preemption.setup():  # loading the model: a stop abandons it, nothing to save yet
+                work.start(engine, model_dir, tokenizer, adapter)
+        except Abandon:
+            work.commit()  # rows restored or failed at parse time
+            return work, job.preempted(work.done, abandoned_quantum=True)
         stopped = job.run(work, o.get("stop_after"))
         if stopped is not None:
             return work, stopped
@@ -279,7 +287,10 @@ class RowsWork:
 
     def settle(self) -> None:
         total = len(self.rows)
+        limit = self.o.get("stop_after")
         for res in self._results:
+            if limit is not None and len(self.lines) >= limit:
+                break  # --stop-after N is N rows exactly: rows finished past it are generated again on the next run
             row = self.by_id[res.key]
             self._record(row.custom_id, ok_line(row, res, self.model_ref, self.job_key))
             self.new_tokens += res.completion_tokens

@@ -86,8 +86,8 @@ class JobState:
     def open(self, log: bool = True, **about) -> None:
         """Claim the state for this job, or refuse if it holds another job. Writes nothing else
         (but the history's "open" record, unless `log` is False: a shard's process is told in its
-        shard's history, not in the job's). `about`: more of this process for the history (a
-        data-parallel group's world and hosts)."""
+        shard's history, not in the job's). `about`: more of this process for the history (its
+        device and scheduler, a data-parallel group's world and hosts)."""
         self.store.check_writable()
         commits = self._commits()
         for c in commits:
@@ -349,7 +349,7 @@ class JobState:
         """Not a commit: only a hint of how far this process got, for the history's story."""
         record = {"writer": self.writer, "pid": os.getpid(), "host": self.host, "done": done, "time": round(time.time(), 3)}
         try:
-            self.store.write(f"progress/{self.writer}.json", orjson.dumps(record))
+            self.store.write_hint(f"progress/{self.writer}.json", orjson.dumps(record))
         except Exception:
             pass  # a hint must never fail the job
 

@@ -33,6 +33,14 @@ class Store:
         """Write only if the key does not exist yet; False when another writer got there first."""
         raise NotImplementedError
 
+    # Whether a small write costs next to nothing (a local file, no fsync): hints such as a
+    # job's progress are then written after every quantum, else at most once a second.
+    cheap_hints = False
+
+    def write_hint(self, key: str, data: bytes) -> None:
+        """A small record that a killed process leaves whole or not at all; not a commit."""
+        self.write(key, data)
+
     def list(self, prefix: str) -> list[str]:
         raise NotImplementedError
 
@@ -97,6 +105,11 @@ class LocalStore(Store):
 
     def write(self, key, data):
         atomic_write(self._path(key), data)
+
+    cheap_hints = True
+
+    def write_hint(self, key, data):
+        atomic_write(self._path(key), data, durable=False)
 
     def create(self, key, data):
         # Write a private temp file, then hard-link it into place: link() fails if the

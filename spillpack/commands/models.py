@@ -31,7 +31,7 @@ def main(ns: dict, events) -> int:
     table = rows()
     if events.headless:
         for r in table:
-            events.out.write(json.dumps(r) + "\n")
+            events.emit("model", **r)
         return 0
     width = max(len(r["name"]) for r in table)
     arch_width = max(len(str(r["arch"])) for r in table)

@@ -70,8 +70,9 @@ def run_sh(command: str, name: str, packer: str, python: str, platforms: list[st
                          platforms_c=comment(", ".join(platforms))).encode()
 
 
-def copy_hashed(src: Path, dest: Path) -> tuple[int, str]:
-    """Copy and hash in one read: packing costs about what copying costs."""
+def copy_hashed(src: Path, dest: Path, on_chunk=lambda n: None) -> tuple[int, str]:
+    """Copy and hash in one read: packing costs about what copying costs. `on_chunk(bytes)`
+    after each chunk (the progress line)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
     size = 0
@@ -80,6 +81,7 @@ def copy_hashed(src: Path, dest: Path) -> tuple[int, str]:
             h.update(chunk)
             fo.write(chunk)
             size += len(chunk)
+            on_chunk(len(chunk))
     return size, h.hexdigest()
 
 
@@ -108,8 +110,8 @@ class Writer:
             shutil.rmtree(self.tmp, ignore_errors=True)
         return False
 
-    def copy(self, rel: str, src: Path) -> None:
-        size, digest = copy_hashed(src, self.tmp / rel)
+    def copy(self, rel: str, src: Path, on_chunk=lambda n: None) -> None:
+        size, digest = copy_hashed(src, self.tmp / rel, on_chunk)
         self.entries[rel] = FileEntry(size, digest, str(src))
 
     def write(self, rel: str, data: bytes, origin: str, mode: int = 0o644) -> None:

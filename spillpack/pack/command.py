@@ -16,6 +16,7 @@ from pathlib import Path
 from runtime import __version__
 from runtime.bootstrap.manifest import Manifest
 from runtime.config.invocation import read_config
+from runtime.core.progress import ByteProgress
 from runtime.errors import SpillpackError, UsageError
 from runtime.config.commands import COMMANDS as JOB_COMMANDS
 from runtime.jobs.inputs import check_inputs
@@ -102,6 +103,18 @@ def _fmt_size(n: int) -> str:
     return f"{n:.1f} TB"
 
 
+def _check_state_outlives(kinds: list[str], state: str | None) -> None:
+    """A spot VM's or a pod's disk goes with it: there the state must be on S3. (Slurm keeps a
+    note instead: a shared file system is the normal place for it.)"""
+    for kind in kinds:
+        if kind in ("skypilot", "kubernetes") and not str(state or "").startswith("s3://"):
+            where = state or "the default SPILLPACK_HOME/jobs/NAME"
+            raise SpillpackError(f"--scheduler {kind} needs the job's state on S3: {where} is a path on the "
+                                 f"{'VM' if kind == 'skypilot' else 'pod'}, whose disk does not outlive a preemption",
+                                 "spillpack pack ... --state s3://bucket/prefix, or pack without --scheduler and give each run "
+                                 "SPILLPACK_STATE=s3://... in its environment")
+
+
 def main(ns: dict, events) -> int:
     ns, rest = split_args(ns)
     if not ns.get("output"):
@@ -116,6 +129,7 @@ def main(ns: dict, events) -> int:
                 raise UsageError(f"{out.parent / fname} already exists; pack never overwrites", f"spillpack pack ... -o {ns['output']}-2")
     inv = job_invocation(rest)
     nodes, per_node = schedulers.check_group(ns.get("nodes"), ns.get("gpus_per_node"), inv.command, inv.options.get("engine"), kinds)
+    _check_state_outlives(kinds, inv.options.get("state"))
     python = _python(ns.get("python"))
     platforms = sorted({wheels.check_tag(t) for t in ns.get("platform") or [wheels.host_tag()]})
     with_torch, with_mlx = ns.get("with_torch"), bool(ns.get("with_mlx"))
@@ -137,9 +151,18 @@ def main(ns: dict, events) -> int:
 
     with Writer(out) as w:
         data_bytes = 0
+        progress = ByteProgress(f"packing {len(plan.files)} data files", sum(Path(src).stat().st_size for src in plan.files.values()))
+        copied = 0
+
+        def advance(n: int) -> None:
+            nonlocal copied
+            copied += n
+            progress.update(copied)
+
         for rel, src in sorted(plan.files.items()):
-            w.copy(rel, src)
+            w.copy(rel, src, advance)
             data_bytes += w.entries[rel].size
+        progress.close()
         w.write("files/job.json", (json.dumps(config, indent=2) + "\n").encode(),
                 origin=str(Path(inv.config_path).absolute()) if inv.config_path else "command line")
         zipapp.build(per_platform, w.tmp / "spillpack.pyz", wheels.cache_root().parent / "pyz")

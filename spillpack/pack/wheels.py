@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from runtime.core.progress import wanted as progress_wanted
 from runtime.bootstrap.platforms import parse_tag, this_machine
 from runtime.errors import SpillpackError, UsageError
 from runtime.paths import spillpack_home
@@ -104,12 +105,14 @@ def fetch(tag: str, python: str, reqs: list[str], extra_pip: tuple[str, ...] = (
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         nodot = python.replace(".", "")
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+        live = progress_wanted()  # on a terminal pip's own line shows bytes, rate and time left (to stderr)
+        cmd = [sys.executable, "-m", "pip", "download", *([] if live else ["--quiet"]), "--disable-pip-version-check",
                *([] if with_deps else ["--no-deps"]), "--only-binary=:all:", "--python-version", python, "--implementation", "cp",
                "--abi", f"cp{nodot}", "--abi", "abi3", "--abi", "none", "-d", str(tmp), *extra_pip]
         for p in pip_platforms(tag):
             cmd += ["--platform", p]
-        r = subprocess.run(cmd + reqs, capture_output=True, text=True, env={**os.environ, "PIP_NO_INPUT": "1"})
+        r = subprocess.run(cmd + reqs, stdout=sys.stderr if live else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PIP_NO_INPUT": "1"})
         if r.returncode != 0:
             lines = [l for l in r.stderr.splitlines() if l.startswith("ERROR")] or r.stderr.strip().splitlines() or ["pip failed"]
             raise SpillpackError(f"could not fetch the runtime's wheels for {tag}, Python {python}: {lines[0]}",

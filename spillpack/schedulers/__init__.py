@@ -26,6 +26,14 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "schedulers"
 GPUS = ("H100", "A100", "L4", "A10G")  # SkyPilot's names; any one is enough for a LoRA tune
 # A stock image with Python 3.11 and torch; the CPU variant uses it too (no GPU requested).
 IMAGE = "pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime"
+IMAGE_PYTHON = "3.11"
+
+
+def image_for(python: str, with_torch: bool) -> str:
+    """The stock torch image when it has the bundle's Python and the bundle brings no torch;
+    otherwise the official Python image of that version (torch then comes from the bundle's
+    wheels, or is installed when the container starts)."""
+    return IMAGE if python == IMAGE_PYTHON and not with_torch else f"python:{python}-slim"
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,7 @@ class Values:
     cpus: int = 8
     memory_gb: int = 32
     gpus: tuple = GPUS
-    image: str = IMAGE
+    job: str = "a LoRA tune"  # what the bundle runs, for the files' comments
     time_limit: str = "24:00:00"
     signal_lead_s: int = 120  # Slurm's warning before the time limit: enough for a step and a commit
     grace_s: int = 60  # Kubernetes: above the 30 s checkpoint promise
@@ -54,6 +62,15 @@ class Values:
     @property
     def distributed(self) -> bool:
         return self.nodes * self.gpus_per_node > 1
+
+    @property
+    def image(self) -> str:
+        return image_for(self.python, self.with_torch)
+
+    @property
+    def torch_at_start(self) -> bool:
+        """The container installs torch before run.sh: an image without it, a bundle without it."""
+        return not self.with_torch and self.image != IMAGE
 
     @property
     def s3(self) -> bool:
@@ -68,6 +85,10 @@ EXAMPLE_GROUP = replace(EXAMPLE, name="mine-dp", bundle="mine-dp", state="s3://m
 # A batch `run` split into 4 shards (`pack run ... --shards 4`).
 EXAMPLE_SHARDED = replace(EXAMPLE, name="rows", bundle="rows", state="s3://my-bucket/spillpack/state/rows", shards=4)
 EXAMPLES_ALL = (EXAMPLE, EXAMPLE_GROUP, EXAMPLE_SHARDED)
+JOBS = {"build": "a folder build: eval-base, distill (with a teacher), tune, eval-tuned", "tune": "a LoRA tune",
+        "run": "a batch run", "eval": "an eval", "distill": "a distillation"}
+# SkyPilot's first example is a folder build, as spill's was; the tune above is its second.
+BUILD_EXAMPLE = Values(name="task", bundle="task", state="s3://my-bucket/spillpack/state/task", job=JOBS["build"])
 
 
 def file_names(kind: str, bundle: str, distributed: bool = False, shards: int = 1) -> dict[str, str]:
@@ -120,7 +141,7 @@ def render(kind: str, values: Values) -> dict[str, str]:
     for key, fname in names.items():
         template, _, variant = key.partition("#")
         ctx = {**asdict(values), "s3": values.s3, "state_on_volume": not values.s3, "file": fname,
-               "files": files, "variant": variant}
+               "files": files, "variant": variant, "image": values.image, "torch_at_start": values.torch_at_start}
         out[fname] = _env.get_template(template).render(**ctx)
     return out
 
@@ -169,7 +190,7 @@ def values_for(config: dict, bundle_dir: Path, python: str, with_torch: bool, no
     gpus = () if engine == "torch-cpu" else GPUS
     return Values(name=dns_label(name), bundle=bundle_dir.name, state=state, weights=o.get("weights"),
                   python=python, torch=torch, with_torch=with_torch, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node,
-                  shards=o.get("shards") or 1)
+                  shards=o.get("shards") or 1, job=JOBS.get(config["command"], config["command"]))
 
 
 def write(kind: str, values: Values, where: Path) -> list[Path]:
@@ -189,6 +210,7 @@ def write_examples(root: Path = EXAMPLES) -> list[Path]:
         (root / kind).mkdir(parents=True, exist_ok=True)
         for example in EXAMPLES_ALL:
             out += write(kind, example, root / kind)
+    out += write("skypilot", BUILD_EXAMPLE, root / "skypilot")
     return out
 
 
