@@ -105,8 +105,8 @@ def test_hostile_names_survive_in_run_sh_sbatch_and_yaml_and_nothing_executes(ph
     data.write_text(train_rows())
     out = tmp_path / "out"
     bundle = out / f"{HOSTILE}-bundle"
-    state = tmp_path / f"{HOSTILE}-state"
-    r = run_cli(["pack", "tune", "tiny", str(data), "--steps", "1", "--state", str(state), "-o", str(bundle),
+    state = f"s3://bucket/{HOSTILE}-state"  # SkyPilot and Kubernetes refuse a state on the pod's own disk
+    r = run_cli(["pack", "tune", "tiny", str(data), "--steps", "1", "--state", state, "-o", str(bundle),
                  "--scheduler", "skypilot", "--scheduler", "slurm", "--scheduler", "kubernetes"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     job = json.loads((bundle / "files" / "job.json").read_text())
