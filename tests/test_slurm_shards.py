@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, events_of, run_cli
 from test_slurm import in_queue, job_env, log_events, sbatch, slurm, wait_for  # noqa: F401  (slurm: the cluster fixture)
 
 pytestmark = pytest.mark.slow
@@ -88,5 +88,7 @@ def test_array_task_preempted_and_requeued_merges_byte_identical_to_unsharded(sl
     assert got == expected
     ids = [json.loads(x)["custom_id"] for x in got.splitlines()]
     assert len(ids) == len(set(ids)) == ROWS
-    told = json.loads(run_cli(["status", str(root / "state")]).stdout.splitlines()[0])
-    assert sum(s["interruptions"] for s in told["shards"]) >= 1 and told["merge"]["merged"]
+    told = events_of(run_cli(["status", str(root / "state")]).stdout)  # one JSON line per line of the story
+    shards = [e for e in told if e["kind"] == "shard"]
+    merge = next(e for e in told if e["kind"] == "merge")
+    assert len(shards) == 3 and sum(s["interruptions"] for s in shards) >= 1 and merge["merged"]
