@@ -188,7 +188,11 @@ def test_eval_and_distill(home, tmp_path):
     d = run_cli(["distill", "tiny", str(evals), "--max-tokens", "6", "--state", str(tmp_path / "d"), "--out", str(tmp_path / "d.jsonl")])
     assert d.returncode == 0, d.stderr
     data = read_jsonl(tmp_path / "d.jsonl")
-    assert data and all(x["messages"][-1]["role"] == "assistant" and x["messages"][-1]["content"] for x in data)
-    # tune reads it as it is
-    t = run_cli(["tune", "tiny", str(tmp_path / "d.jsonl"), "--steps", "1", "--state", str(tmp_path / "t")])
-    assert t.returncode == 0, t.stderr
+    done_d = events_of(d.stdout)[-1]
+    assert len(data) == done_d["examples"] and done_d["examples"] + done_d["empty_answers"] + done_d["failed_rows"] == 6
+    assert all(x["messages"][-1]["role"] == "assistant" and x["messages"][-1]["content"].strip() for x in data)
+    # tune reads it as it is. The regenerated tiny (TINY_VERSION 3) answers these prompts with whitespace
+    # only, which distill leaves out: then there is nothing to tune on (build's tests tune on distilled data).
+    if data:
+        t = run_cli(["tune", "tiny", str(tmp_path / "d.jsonl"), "--steps", "1", "--state", str(tmp_path / "t")])
+        assert t.returncode == 0, t.stderr
