@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from runtime.core.place import cpu_model
+
 CUBLAS_WORKSPACE = ":4096:8"  # the setting NVIDIA documents for reproducible cuBLAS results
 
 
@@ -37,17 +39,6 @@ def make_deterministic(device: torch.device) -> None:
     torch.backends.cudnn.benchmark = False  # autotuning may pick a different kernel per process
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 bases compute in float32, as on a CPU
     torch.backends.cudnn.allow_tf32 = False
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def describe(device: torch.device) -> dict:
