@@ -10,25 +10,29 @@ import pytest
 
 from conftest import REPO, events_of, run_cli
 from jobproc import start
+from memory_shapes import make_data
 
 DATA = str(REPO / "examples/data/train.jsonl")
 
 
-def tune(accum: int, steps: int) -> list[str]:
-    return ["tune", "tiny", DATA, "--steps", str(steps), "--batch", "16", "--grad-accum", str(accum), "--targets", "q_proj,v_proj",
-            "--rank", "4", "--ckpt-every", "1"]
+def tune(accum: int, steps: int, data: str = DATA) -> list[str]:
+    return ["tune", "tiny", data, "--steps", str(steps), "--batch", "4", "--grad-accum", str(accum), "--targets", "q_proj,v_proj",
+            "--rank", "4", "--ckpt-every", "1", "--max-seq", "2048"]
 
 
 @pytest.mark.slow
 def test_slow_step_is_abandoned_within_a_5_second_grace(home, tmp_path):
-    # Steps of about 8 s on this machine, whatever its speed: scaled from one measured step.
-    r = run_cli(tune(8, 1) + ["--state", str(tmp_path / "calib")], timeout=1800)
+    # Long rows (about 1,000 tokens), enough of them that a step is never the whole data set: a
+    # step of about 12 s on this machine, whatever its speed, scaled from a measured one (the
+    # second: the first also pays for warming up).
+    data = str(make_data(tmp_path / "long.jsonl", 512, 400, seed=2))
+    r = run_cli(tune(4, 2, data) + ["--state", str(tmp_path / "calib")], timeout=1800)
     assert r.returncode == 0, r.stderr
-    step_s = next(e["step_s"] for e in events_of(r.stdout) if e["event"] == "step")
-    accum = max(8, math.ceil(8 * 8.0 / step_s))
+    step_s = min(e["step_s"] for e in events_of(r.stdout) if e["event"] == "step")
+    accum = min(128, max(8, math.ceil(4 * 12.0 / step_s)))
 
     state = tmp_path / "s"
-    p = start(tune(accum, 4) + ["--state", str(state)], env={"SPILLPACK_GRACE_S": "5"})
+    p = start(tune(accum, 4, data) + ["--state", str(state)], env={"SPILLPACK_GRACE_S": "5"})
     events = []
     for line in p.stdout:
         events.append(json.loads(line))
@@ -46,7 +50,7 @@ def test_slow_step_is_abandoned_within_a_5_second_grace(home, tmp_path):
     assert took < 5.0, f"exit {took:.2f} s after SIGTERM, past the 5 s grace"
     assert [e["step"] for e in events if e["event"] == "step"] == [1]  # step 2 was thrown away, not finished
 
-    r = run_cli(tune(accum, 4) + ["--state", str(state), "--stop-after", "2"], timeout=1800)
+    r = run_cli(tune(accum, 4, data) + ["--state", str(state), "--stop-after", "2"], timeout=1800)
     assert r.returncode == 0, r.stderr
     assert [e["step"] for e in events_of(r.stdout) if e["event"] == "restore"] == [1]
 

@@ -61,12 +61,13 @@ def unsplit(tiny_home, long_rows, tmp_path_factory):
     """The long-row job run as 4 x 1 without checkpointing, and its plan's candidates."""
     state = tmp_path_factory.mktemp("unsplit") / "s"
     env = {"SPILLPACK_HOME": str(tiny_home)}
+    events = tune(["tune", "tiny", long_rows, *LONG, "--grad-checkpoint", "off"], state, env=env)
+    assert next(e for e in events if e["event"] == "start")["micro_batch"] == 4
+    # Planned after the job, like every later process in this home: the engine's rate is remembered.
     r = run_cli(["tune", "tiny", long_rows, *LONG, "--plan"], env=env, timeout=3600)
     assert r.returncode == 0, r.stderr
     plan = events_of(r.stdout)[0]
     peaks = {(c["micro_batch"], c["grad_checkpoint"]): c["estimated_peak_gb"] for c in plan["candidates"]}
-    events = tune(["tune", "tiny", long_rows, *LONG, "--grad-checkpoint", "off"], state, env=env)
-    assert next(e for e in events if e["event"] == "start")["micro_batch"] == 4
     return state, peaks
 
 

@@ -169,8 +169,24 @@ def engine_rate(name: str) -> dict:
     if cached and cached.get("matmul_gflops"):
         return cached
     rate = measure(name, seconds=0.25)
+    _return_freed_memory()
     remember_rate(name, rate)
     return rate
+
+
+def _return_freed_memory() -> None:
+    """Give the measurement's freed buffers back to the OS. glibc keeps freed heap pages (about
+    70 MB after a CPU measurement), and a tune's memory plan counts the process's resident memory:
+    without this, the first job on a machine planned with less memory than every later one."""
+    if platform.system() != "Linux":
+        return
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc (musl, ...): the plan counts a little more than the job holds
 
 
 def choose_engine(requested: str | None = "auto", cuda: CudaFacts | None = None) -> tuple[str, str]:
