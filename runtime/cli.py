@@ -65,10 +65,8 @@ def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) 
     install_process_handler()  # the entry points did already, before their imports; a library caller gets it here
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    headless = headless_wanted("--headless" in argv)
-    progress.set_headless(headless)
     command = next((a for a in argv if not a.startswith("-")), None)
-    events = Events(command or "spillpack", headless, quiet=ranks.quiet())
+    events = _events(argv)
     try:
         parser = build_parser(extra)
         if not argv:
@@ -139,6 +137,19 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
         inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)
     module = importlib.import_module(COMMANDS[command].module)
     return (module.plan_only(inv, events) if plan else module.main(inv, events)).code
+
+
+def _events(argv: list[str]) -> Events:
+    headless = headless_wanted("--headless" in argv)
+    progress.set_headless(headless)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    return Events(command or "spillpack", headless, quiet=ranks.quiet())
+
+
+def stopped_while_starting(argv: list[str]) -> int:
+    """A stop before main() ran (a bundle's first start unpacking its wheels): told as any stop
+    before the state is opened is, a `preempted` event, and 75."""
+    return _stopped_early(_events(argv))
 
 
 def _stopped_early(events: Events) -> int:

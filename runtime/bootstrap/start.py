@@ -45,7 +45,7 @@ def prepare(argv: list[str]) -> Bundle | int | None:
 
 
 def entry() -> None:
-    from runtime.core.signals import install_process_handler
+    from runtime.core.signals import Abandon, install_process_handler
 
     install_process_handler()  # first: a stop while the bundle starts (wheels, imports) exits 75, not 143
     argv = sys.argv[1:]
@@ -54,6 +54,10 @@ def entry() -> None:
     except SpillpackError as e:
         sys.stderr.write(e.line() + "\n")
         sys.exit(e.exit_code)
+    except Abandon:  # stopped while the first start unpacked its wheels: nothing of the job was written
+        from runtime.cli import exit_process, stopped_while_starting
+
+        exit_process(stopped_while_starting(argv))
     if isinstance(bundle, int):
         sys.exit(bundle)
     from runtime.cli import exit_process, main

@@ -5,6 +5,7 @@ system's Python; no pip, no network. Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -14,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from runtime.bootstrap.manifest import PRIVATE_DIR, WHEELS_DIR, Manifest
+from runtime.core.signals import process_handler
 from runtime.errors import SpillpackError
 
 
@@ -37,14 +39,19 @@ def unpack_wheel(whl: Path, dest: Path) -> None:
 
 def install_wheels(wheels: Path, target: Path) -> None:
     """Unpack every wheel in `wheels` into `target`, once, atomically.
-    Concurrent first starts: each unpacks privately, the first rename wins, the others use it."""
+    Concurrent first starts: each unpacks privately, the first rename wins, the others use it.
+    A stop meanwhile abandons the unpacking at once (the process's handler raises Abandon: the
+    job exits 75 with nothing to save); the partial copy is removed, never renamed, and the
+    next start unpacks again."""
     if (target / ".complete").exists():
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    handler = process_handler()
     try:
-        for whl in sorted(wheels.glob("*.whl")):
-            unpack_wheel(whl, tmp)
+        with handler.setup() if handler else contextlib.nullcontext():
+            for whl in sorted(wheels.glob("*.whl")):
+                unpack_wheel(whl, tmp)
         (tmp / ".complete").write_text("")
         try:
             os.rename(tmp, target)

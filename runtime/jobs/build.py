@@ -215,10 +215,17 @@ def _estimate(files: dict, stages: list[str], scores: dict, o: dict) -> float:
         source = "prompts.jsonl" if stage == "distill" else "evals.jsonl"
         if stage == "tune":
             epochs = o["epochs"] if o.get("steps") is None else o["steps"] * COMMANDS["tune"].option("batch").default / max(1, rows.get("train.jsonl", 1))
-            seconds += estimate.train_seconds(config, int(len(files.get("train.jsonl", b"")) / 4 * epochs))
+            seconds += _train_seconds(config, int(len(files.get("train.jsonl", b"")) / 4 * epochs))
         else:
             seconds += estimate.generation_seconds(config, len(files[source]) // 4, rows[source] * o["max_tokens"], o["batch"])
     return round(seconds, 1)
+
+
+def _train_seconds(config: dict, tokens: int) -> float:
+    """`tokens` trained tokens: ~4 x params FLOPs a token (the frozen base needs no weight
+    gradients) at the row jobs' conservative CPU rate: the build has not measured its engine
+    yet when it starts; its tune stage's own start event has the measured guess."""
+    return round(4 * estimate.params(config) * tokens / estimate.cpu_flops(), 1)
 
 
 def _tune_data(files: dict, store) -> bytes:

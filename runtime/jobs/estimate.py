@@ -1,6 +1,7 @@
-"""First guesses of a job's length for the `start` event's estimated_seconds, from the model's
-shape alone: rough by design (a conservative 20 GFLOP/s a core and 10 GB/s of memory on CPU);
-the step and row events' eta_s replace them with measurements."""
+"""First guesses of a row job's length for the `start` event's estimated_seconds, from the
+model's shape alone: rough by design (a conservative 20 GFLOP/s a core and 10 GB/s of memory on
+CPU); the row events' eta_s replace them with measurements. A tune's guess is tune.engine_estimate
+(the engine's measured rate), on the same parameter count."""
 
 import os
 
@@ -13,19 +14,14 @@ def params(config: dict) -> int:
     return L * (4 * h * h + 3 * h * i) + h * v
 
 
-def _compute() -> float:
+def cpu_flops() -> float:
     return FLOPS_PER_CORE * (os.cpu_count() or 1)
-
-
-def train_seconds(config: dict, tokens: int) -> float:
-    """`tokens` trained tokens: ~4 x params FLOPs a token (the frozen base needs no weight gradients)."""
-    return round(4 * params(config) * tokens / _compute(), 1)
 
 
 def generation_seconds(config: dict, prompt_tokens: int, new_tokens: int, batch: int) -> float:
     """Prefill and decode FLOPs (2 x params a token), plus reading the float32 weights once per
     decode step of `batch` rows (decode is bound by memory as much as by arithmetic)."""
     p = params(config)
-    flops = 2 * p * (prompt_tokens + new_tokens) / _compute()
+    flops = 2 * p * (prompt_tokens + new_tokens) / cpu_flops()
     reads = (new_tokens / max(1, batch)) * 4 * p / MEMORY_BPS
     return round(flops + reads, 1)

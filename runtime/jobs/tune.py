@@ -30,6 +30,7 @@ from runtime.models.ref import resolve_model
 from runtime.core.signals import Abandon
 from runtime.engines.hardware import choose_engine
 from runtime.errors import SpillpackError
+from runtime.jobs import estimate
 from runtime.jobs.sizing import plan_tune
 from runtime.state.store import check_output, open_store
 from runtime.models.tokenizer import Tokenizer
@@ -283,9 +284,7 @@ def engine_estimate(config: dict, tokens: int, gflops: float) -> float:
     through activations only: the base is frozen) at half the engine's measured matmul rate in
     its own dtype (runtime.engines.hardware.engine_rate). A first guess; the step events'
     eta_s replaces it with the job's own step times."""
-    h, L, i, v = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
-    params = L * (4 * h * h + 3 * h * i) + h * v
-    return round(4 * params * tokens / (STEP_EFFICIENCY * gflops * 1e9), 1)
+    return round(4 * estimate.params(config) * tokens / (STEP_EFFICIENCY * gflops * 1e9), 1)
 
 
 def _fmt(seconds: float) -> str:

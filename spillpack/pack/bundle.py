@@ -26,6 +26,9 @@ RUN_SH = """\
 #   ./run.sh --verify    check every file of the bundle against MANIFEST.json
 # Exit 0: done. 75: preempted after a checkpoint; run this again to continue. 1: error. 2: usage.
 # SPILLPACK_PYTHON picks the interpreter (default python3), SHIV_ROOT where the zipapp unpacks.
+# A stop before the job starts (checking files and Python) writes nothing, so its truth is
+# "run me again": 75, not the shell's 143. exec below hands later signals to the job itself.
+trap 'exit 75' TERM HUP INT
 command={command}
 want={python}
 here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd -P) || exit 1
