@@ -38,17 +38,21 @@ def story_state(root):
     write_history(root / "s", [
         {**a, "what": "open", "time": 1.8e9, "engine": "torch-cpu", "device": "Intel Xeon, 8 cores, 31.2 GB", "scheduler": "slurm",
          "job_id": "42", "partition": "spot"},
+        {**a, "what": "engine", "time": 1.8e9 + 1, "engine": "torch-cpu", "device": "Intel Xeon (x86_64)", "software": "torch 2.13.0", "dtype": "float32"},
         {**a, "what": "checkpoint", "time": 1.8e9 + 10, "step": 5, "seq": 1, "uri": f"{u}/00000001.json", "seconds": 0.041},
         # The checkpoint the signal triggered is logged first; its interruption is told before it.
         {**a, "what": "checkpoint", "time": 1.8e9 + 20.4, "step": 7, "seq": 2, "uri": f"{u}/00000002.json", "seconds": 0.038},
         {**a, "what": "interrupted", "time": 1.8e9 + 20.5, "signal": "SIGTERM", "step": 7, "abandoned_quantum": True,
          "seconds": 0.62, "grace_s": 30.0, "signalled": 1.8e9 + 19.9},
         {**b, "what": "open", "time": 1.8e9 + 100, "engine": "mlx", "device": "Apple M2 Max, 12 cores, 64.0 GB"},
+        {**b, "what": "engine", "time": 1.8e9 + 100.2, "engine": "mlx", "device": "Apple M2 Max GPU (Metal)", "software": "mlx 0.32.4", "dtype": "bfloat16"},
         {**b, "what": "place", "time": 1.8e9 + 100.5, "cloud": "aws", "zone": "us-east-1a", "instance_type": "g5.xlarge"},
         {**b, "what": "resume", "time": 1.8e9 + 101, "step": 7, "uri": f"{u}/00000002.json"},
         {**b, "what": "checkpoint", "time": 1.8e9 + 110, "step": 10, "seq": 3, "uri": f"{u}/00000003.json", "seconds": 0.2},
         {**c, "what": "open", "time": 1.8e9 + 200, "engine": "torch-cuda", "device": "NVIDIA A10G, 22.5 GB", "scheduler": "kubernetes",
          "pod": "spillpack-mine-x7k2p", "world": 4, "hosts": ["node-c", "node-c", "node-d", "node-d"]},
+        {**c, "what": "engine", "time": 1.8e9 + 200.5, "engine": "torch-cuda", "device": "NVIDIA A10G (sm_86, 22 GB)",
+         "software": "torch 2.13.0, CUDA 12.8, cuDNN 91000", "dtype": "bfloat16"},
         {**c, "what": "resume", "time": 1.8e9 + 201, "step": 10, "uri": f"{u}/00000003.json"},
         {**c, "what": "checkpoint", "time": 1.8e9 + 230, "step": 20, "seq": 4, "uri": f"{u}/00000004.json", "seconds": 0.05},
         {**c, "what": "done", "time": 1.8e9 + 231, "step": 20},
@@ -77,6 +81,12 @@ def test_story_golden(home, tmp_path):
     assert [e["time"] for e in events] == sorted(e["time"] for e in events)
     kill = next(e for e in events if e["kind"] == "hard_kill")
     assert (kill["committed"], kill["reached"], kill["repeated"]) == (10, 14, 4)
+    # Resumed on other engines: what ran where (a hard kill's repeated steps counted once), and
+    # the tolerance promised instead of bit-identity.
+    promise = events[-1]
+    assert promise["kind"] == "resume_promise" and promise["promise"] == "within tolerance"
+    assert [(p["engine"], p["first"], p["last"]) for p in promise["ran"]] == [("torch-cpu", 1, 7), ("mlx", 8, 10), ("torch-cuda", 11, 20)]
+    assert "cosine >= 0.999" in promise["tolerance"]  # bfloat16 bases: docs/state.md's half-precision promise
 
 
 def png_size(path):
@@ -140,3 +150,12 @@ def test_story_of_real_interruptions(home, tmp_path):
     procs = [e for e in events if e["kind"] == "process"]
     assert [p["engine"] for p in procs] == ["torch-cpu", second, "torch-cpu"] and all(p["device"] for p in procs)
     assert f"interrupted by SIGTERM at step {intr['step']}" in human and "HARD KILL" in human
+    promise = events[-1]
+    assert promise["kind"] == "resume_promise"
+    if second == "mlx":  # what ran where, and the cross-engine tolerance rather than bit-identity
+        assert promise["promise"] == "within tolerance" and promise["why"].startswith("the engine and software changed")
+        assert [(p["engine"], p["first"], p["last"]) for p in promise["ran"]] == \
+            [("torch-cpu", 1, intr["step"]), ("mlx", intr["step"] + 1, kill["committed"]), ("torch-cpu", kill["committed"] + 1, 24)]
+        assert f"steps {intr['step'] + 1}-{kill['committed']} on mlx (" in human
+    else:
+        assert promise["promise"] == "bit-identical"

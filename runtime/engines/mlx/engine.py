@@ -171,10 +171,18 @@ class MLXEngine:
         self.base_dtype = mx.bfloat16 if self.device == mx.gpu else mx.float32
 
     def describe(self) -> dict:
+        """Device model, software and base dtype, recorded per process in the state's history. On
+        a CPU the device reads as torch-cpu's does, so a switch of engine on one machine is told
+        as that, not as a change of device too."""
         import platform
 
-        return {"device": f"{self.device} ({platform.machine()})", "software": f"mlx {getattr(mx, '__version__', '?')}",
-                "dtype": str(self.base_dtype).removeprefix("mlx.core.")}
+        from runtime.core.place import cpu_model
+
+        if self.device == mx.gpu:
+            device = f"{mx.device_info().get('device_name') or 'Apple'} GPU (Metal)"
+        else:
+            device = f"{cpu_model()} ({platform.machine()})"
+        return {"device": device, "software": f"mlx {getattr(mx, '__version__', '?')}", "dtype": str(self.base_dtype).removeprefix("mlx.core.")}
 
     def train_session(self, model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0) -> MLXTrainSession:
         return MLXTrainSession(self, model_dir, spec, tensors, opt, seed)
