@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = str(Path(sys.executable).parent)
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +50,30 @@ def home(tmp_path, tiny_home, monkeypatch) -> Path:
     monkeypatch.delenv("SPILLPACK_ENGINE", raising=False)
     monkeypatch.delenv("SPILLPACK_STATUS", raising=False)
     return h
+
+
+@pytest.fixture(scope="session")
+def wheel_cache(tmp_path_factory):
+    """Wheels and built zipapps shared by every packing test of the session: fetched from PyPI once."""
+    return tmp_path_factory.mktemp("pack-cache")
+
+
+@pytest.fixture
+def phome(home, wheel_cache):
+    """A home for `spillpack pack`: the tiny model, and the session's wheel and zipapp caches."""
+    (home / "cache").mkdir(exist_ok=True)
+    for sub in ("wheels", "pyz"):
+        (wheel_cache / sub).mkdir(exist_ok=True)
+        (home / "cache" / sub).symlink_to(wheel_cache / sub)
+    return home
+
+
+def clean_env(home: Path, extra=None) -> dict:
+    """What a fresh cluster node gives a bundle: PATH with a python3 that has torch, HOME, SPILLPACK_HOME, TMPDIR."""
+    (home.parent / "tmp").mkdir(parents=True, exist_ok=True)
+    return {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": str(home.parent), "SPILLPACK_HOME": str(home),
+            "TMPDIR": str(home.parent / "tmp"),
+            "SPILLPACK_METADATA_URL": os.environ.get("SPILLPACK_METADATA_URL", "http://127.0.0.1:9"), **(extra or {})}
 
 
 def run_cli(args, env=None, timeout=300, **kw) -> subprocess.CompletedProcess:

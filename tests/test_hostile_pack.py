@@ -8,41 +8,18 @@ validators) and checks that nothing injected ever executes: no file named PWNED 
 """
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, run_cli
+from conftest import REPO, clean_env, run_cli
 from tests.scheduler_checks import kubernetes_problems, skypilot_problems
 
-VENV_BIN = str(Path(sys.executable).parent)
 # Everything that ends a comment, a quoted string or a command, in one name (no '/': it is a file name).
 HOSTILE = "evil\ntouch PWNED\n$(touch PWNED)`touch PWNED`;touch PWNED;'q\" #x: y\r\n- z"
-
-
-@pytest.fixture(scope="module")
-def wheel_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("hostile-cache")
-
-
-@pytest.fixture
-def phome(home, wheel_cache):
-    (home / "cache").mkdir(exist_ok=True)
-    for sub in ("wheels", "pyz"):
-        (wheel_cache / sub).mkdir(exist_ok=True)
-        (home / "cache" / sub).symlink_to(wheel_cache / sub)
-    return home
-
-
-def clean_env(home: Path, extra=None) -> dict:
-    (home.parent / "tmp").mkdir(parents=True, exist_ok=True)
-    return {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": str(home.parent), "SPILLPACK_HOME": str(home),
-            "TMPDIR": str(home.parent / "tmp"), "SPILLPACK_METADATA_URL": "http://127.0.0.1:9", **(extra or {})}
 
 
 def pwned(root: Path) -> list[Path]:

@@ -3,8 +3,8 @@ many runs), and scheduler files for machines whose disk dies with them need an S
 
 import pytest
 
-from conftest import events_of
-from test_pack import JOB, adapter, clean_env, data, new_home, pack, phome, run_bundle, wheel_cache  # noqa: F401
+from conftest import clean_env, events_of
+from test_pack import JOB, adapter, data, new_home, pack, run_bundle  # noqa: F401
 
 
 def test_bundle_state_from_the_environment_is_used_and_nothing_else(phome, data, tmp_path, tiny_home):

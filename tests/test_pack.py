@@ -15,26 +15,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import REPO, events_of, run_cli
+from conftest import REPO, clean_env, events_of, run_cli
 
 # A small, fast tune: 4 steps, a checkpoint after each.
 JOB = ["--steps", "4", "--batch", "2", "--max-seq", "96", "--ckpt-every", "1", "--lr", "1e-3", "--name", "packed"]
-VENV_BIN = str(Path(sys.executable).parent)
-
-
-@pytest.fixture(scope="session")
-def wheel_cache(tmp_path_factory):
-    """Wheels and built zipapps shared by every test of the session: fetched from PyPI once."""
-    return tmp_path_factory.mktemp("pack-cache")
-
-
-@pytest.fixture
-def phome(home, wheel_cache):
-    (home / "cache").mkdir(exist_ok=True)
-    for sub in ("wheels", "pyz"):
-        (wheel_cache / sub).mkdir(exist_ok=True)
-        (home / "cache" / sub).symlink_to(wheel_cache / sub)
-    return home
 
 
 @pytest.fixture
@@ -48,13 +32,6 @@ def data(tmp_path):
 
 def pack(args, **kw):
     return run_cli(["pack", *args], **kw)
-
-
-def clean_env(home: Path, extra=None) -> dict:
-    """What a fresh cluster node gives a job: PATH with a python3 that has torch, HOME, SPILLPACK_HOME."""
-    return {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": str(home.parent), "SPILLPACK_HOME": str(home),
-            "TMPDIR": str(home.parent / "tmp"), "SPILLPACK_METADATA_URL": os.environ["SPILLPACK_METADATA_URL"],
-            **(extra or {})}
 
 
 def run_bundle(bundle: Path, args=(), env=None, cwd="/", **kw):

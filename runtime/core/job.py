@@ -75,6 +75,17 @@ def default_state_uri(name: str) -> str:
     return str(spillpack_home() / "jobs" / name)
 
 
+def state_uri(options: dict) -> str:
+    """Where a job's state lives: --state, else SPILLPACK_HOME/jobs/NAME."""
+    return options.get("state") or default_state_uri(options["name"])
+
+
+def read_state(options: dict) -> JobState:
+    """A job's state to read before the job opens it (for a check that must refuse first):
+    neither claims nor creates anything, and checks no identity."""
+    return JobState(open_store(state_uri(options)), {})
+
+
 @dataclass
 class Job:
     """One process's run of a job."""
@@ -114,7 +125,7 @@ class Job:
         engine_name, reason = choose_engine(o.get("engine"))
         events.engine = engine_name
         group = open_group(engine_name, inv.command)
-        uri = o.get("state") or default_state_uri(o["name"])
+        uri = state_uri(o)
         state = root = None
         if group is None or group.writer:
             root = JobState(open_store(uri), identity, engine=engine_name, upgrade=upgrade)

@@ -23,7 +23,7 @@ from runtime.models.lora import load_adapter
 from runtime.config.invocation import Invocation
 from runtime.data.train import read_bytes
 from runtime.errors import SpillpackError, UsageError
-from runtime.core.job import Job, Outcome
+from runtime.core.job import Job, Outcome, read_state
 from runtime.core.signals import Abandon
 from runtime.fileio import sha256_bytes
 from runtime.generation import Request
@@ -78,6 +78,19 @@ def uri_exists(uri: str) -> bool:
     return open_store(parent or ".").size(name) is not None
 
 
+def check_out_free(o: dict) -> None:
+    """An --out that exists is refused (exit 2) before the state is touched, so the refused
+    command leaves nothing behind; unless this state's own run wrote it: a finished job
+    delivers its output again, and a merge that began may have written it already."""
+    out = o["out"]
+    if not uri_exists(out):
+        return
+    state = read_state(o)
+    if state.markers(OUTPUT_MARKER) or state.merge_claim() is not None:
+        return
+    raise UsageError(f"{out} already exists and would be overwritten", f"another --out, or remove {out}")
+
+
 def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
     a, o = inv.arguments, inv.options
     model_ref, input_uri = a[task.model_arg], a[task.input_arg]
@@ -88,6 +101,7 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
     task.check(rows, input_uri)
     if o.get("out"):
         check_output(o["out"], directory=False)
+        check_out_free(o)
     adapter, adapter_fp = adapter_for(o.get("adapter"))
     encode_rows(rows, tokenizer, int(model_dir.config.get("max_position_embeddings") or 2048))
     bad = [r for r in rows if r.error]
@@ -159,8 +173,6 @@ def _run(job: Job, inv, events, task, rows, model) -> Outcome:
         if out and not uri_exists(out):
             write_uri(out, store.read(RESULTS))
         return job.done(total, True, out=out or store.child_uri(RESULTS), rows=total, **finished[-1].meta.get("summary", {}))
-    if o.get("out") and uri_exists(o["out"]):
-        raise UsageError(f"{o['out']} already exists and would be overwritten", f"another --out, or remove {o['out']}")
 
     work, stopped = _generate(job, inv, events, task, rows, model)
     if stopped is not None:
@@ -209,7 +221,6 @@ def _run_shard(job: Job, inv, events, task, rows, split: "shards.Plan", model) -
     if record is not None:  # merged before: deliver again (to a new --out) and report it
         job.restored(len(rows), results_uri)
         return finished(record, len(rows), shard=split.index)
-    shards.check_out(root, o.get("out"), uri_exists)
 
     lo, hi = split.range(len(rows))
     mine = rows[lo:hi]

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import orjson
 
-from runtime.errors import SpillpackError, UsageError
+from runtime.errors import SpillpackError
 from runtime.fileio import sha256_bytes
 from runtime.state.jobstate import JobState
 
@@ -172,12 +172,6 @@ class Merger:
                                  f"(first: {lost[0]!r}): the state was changed by hand",
                                  f"delete the shard-done markers under {self.root.store.child_uri('shards/')} and rerun the shards")
         return [lines[r.custom_id] for r in self.rows]
-
-
-def check_out(root: JobState, out: str | None, uri_exists) -> None:
-    """--out must not hold another file, unless a merge that began already wrote it."""
-    if out and uri_exists(out) and root.merge_claim() is None:
-        raise UsageError(f"{out} already exists and would be overwritten", f"another --out, or remove {out}")
 
 
 def _barrier(point: str) -> None:

@@ -206,6 +206,23 @@ class S3Store(Store):
 
         return self._retrying("read", key, get)
 
+    def read_stream(self, key, consume):
+        """One GET streamed into `consume` in pieces of a MiB (a broken stream is read again from
+        the start, as `read` retries a whole object)."""
+        def get():
+            try:
+                body = self.s3.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+            except ClientError as e:
+                if _missing(e):
+                    return None
+                raise
+            try:
+                return consume(body.iter_chunks(MB))
+            finally:
+                body.close()
+
+        return self._retrying("read", key, get)
+
     def write(self, key, data):
         def put():
             if len(data) < self.transfer.multipart_threshold:

@@ -26,6 +26,13 @@ class Store:
     def read(self, key: str) -> bytes | None:
         raise NotImplementedError
 
+    def read_stream(self, key: str, consume):
+        """consume(chunks), over the object's bytes as they arrive, and what it returns; None when
+        there is no such object. `consume` may raise to stop early (the rest is never fetched) and
+        must start afresh when called again: a store may restart a broken read from the start."""
+        data = self.read(key)
+        return None if data is None else consume(iter((data,)))
+
     def write(self, key: str, data: bytes) -> None:
         raise NotImplementedError
 

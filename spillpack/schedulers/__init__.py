@@ -91,34 +91,32 @@ JOBS = {"build": "a folder build: eval-base, distill (with a teacher), tune, eva
 BUILD_EXAMPLE = Values(name="task", bundle="task", state="s3://my-bucket/spillpack/state/task", job=JOBS["build"])
 
 
+# template -> the suffix of the file written beside the bundle (BUNDLE.SUFFIX), per scheduler,
+# for each shape of job; "#cuda" / "#cpu" render one template twice. A data-parallel tune has
+# its own templates (multi-node launch, shared volume); a sharded row job gets the scheduler's
+# fan-out: a Slurm array, a Kubernetes Indexed Job, one SkyPilot managed job per shard
+# (examples/schedulers/skypilot/README.md says why). Pods that may land on any node share a
+# ReadWriteMany volume.
+FILES = {
+    "one": {"skypilot": {"skypilot.yaml.j2": "sky.yaml"},
+            "slurm": {"slurm.sbatch.j2": "sbatch"},
+            "kubernetes": {"kubernetes-pvc.yaml.j2": "k8s-pvc.yaml", "kubernetes-job.yaml.j2#cuda": "k8s-cuda.yaml",
+                           "kubernetes-job.yaml.j2#cpu": "k8s-cpu.yaml"}},
+    "group": {"skypilot": {"skypilot-dist.yaml.j2": "sky.yaml"},
+              "slurm": {"slurm-dist.sbatch.j2": "sbatch"},
+              "kubernetes": {"kubernetes-shared-pvc.yaml.j2": "k8s-pvc.yaml", "kubernetes-indexed.yaml.j2#cuda": "k8s-cuda.yaml",
+                             "kubernetes-indexed.yaml.j2#cpu": "k8s-cpu.yaml"}},
+    "shards": {"skypilot": {"skypilot-shards.yaml.j2": "sky.yaml"},
+               "slurm": {"slurm-array.sbatch.j2": "sbatch"},
+               "kubernetes": {"kubernetes-shared-pvc.yaml.j2": "k8s-pvc.yaml", "kubernetes-shards.yaml.j2#cuda": "k8s-cuda.yaml",
+                              "kubernetes-shards.yaml.j2#cpu": "k8s-cpu.yaml"}},
+}
+
+
 def file_names(kind: str, bundle: str, distributed: bool = False, shards: int = 1) -> dict[str, str]:
-    """template -> the file written beside the bundle (the same names for one process, a group or
-    shards). A sharded row job gets the scheduler's fan-out: a Slurm array, a Kubernetes Indexed
-    Job, one SkyPilot managed job per shard (examples/schedulers/skypilot/README.md says why)."""
-    if shards > 1:
-        return {
-            "skypilot": {"skypilot-shards.yaml.j2": f"{bundle}.sky.yaml"},
-            "slurm": {"slurm-array.sbatch.j2": f"{bundle}.sbatch"},
-            # The shards' pods land on any nodes: the shared (ReadWriteMany) volume.
-            "kubernetes": {"kubernetes-shared-pvc.yaml.j2": f"{bundle}.k8s-pvc.yaml",
-                           "kubernetes-shards.yaml.j2#cuda": f"{bundle}.k8s-cuda.yaml",
-                           "kubernetes-shards.yaml.j2#cpu": f"{bundle}.k8s-cpu.yaml"},
-        }[kind]
-    if distributed:  # a data-parallel tune: its own templates (multi-node launch, shared volume)
-        return {
-            "skypilot": {"skypilot-dist.yaml.j2": f"{bundle}.sky.yaml"},
-            "slurm": {"slurm-dist.sbatch.j2": f"{bundle}.sbatch"},
-            "kubernetes": {"kubernetes-shared-pvc.yaml.j2": f"{bundle}.k8s-pvc.yaml",
-                           "kubernetes-indexed.yaml.j2#cuda": f"{bundle}.k8s-cuda.yaml",
-                           "kubernetes-indexed.yaml.j2#cpu": f"{bundle}.k8s-cpu.yaml"},
-        }[kind]
-    return {
-        "skypilot": {"skypilot.yaml.j2": f"{bundle}.sky.yaml"},
-        "slurm": {"slurm.sbatch.j2": f"{bundle}.sbatch"},
-        "kubernetes": {"kubernetes-pvc.yaml.j2": f"{bundle}.k8s-pvc.yaml",
-                       "kubernetes-job.yaml.j2#cuda": f"{bundle}.k8s-cuda.yaml",
-                       "kubernetes-job.yaml.j2#cpu": f"{bundle}.k8s-cpu.yaml"},
-    }[kind]
+    """template -> the file written beside the bundle (the same names for every shape of job)."""
+    shape = "shards" if shards > 1 else "group" if distributed else "one"
+    return {template: f"{bundle}.{suffix}" for template, suffix in FILES[shape][kind].items()}
 
 
 def _only_quoted(value):
