@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import events_of
-from test_pack import JOB, clean_env, data, new_home, pack, phome, run_bundle, wheel_cache  # noqa: F401
+from conftest import clean_env, events_of
+from test_pack import JOB, data, new_home, pack, run_bundle  # noqa: F401
 
 
 def wait_for(found, what: str, p: subprocess.Popen, limit_s: float = 120):
