@@ -2,6 +2,7 @@
 Python, and the first start unpacking the wheels it carries. Nothing is written yet, so the
 truth is "run me again": exit 75, never the shell's 143 nor a wait for the whole install."""
 
+import json
 import os
 import signal
 import subprocess
@@ -74,6 +75,56 @@ def test_a_stop_while_run_sh_checks_exits_75_and_the_job_never_starts(bundle, ph
     r = run_bundle(bundle, ["--stop-after", "1"], env=clean_env(home, {"SPILLPACK_PYTHON": str(held)}), input="")
     assert r.returncode == 0, r.stderr
     assert events_of(r.stdout)[-1]["event"] == "done" and (tmp_path / "state" / "job.json").is_file()
+
+
+# -- the zipapp unpacking itself on a machine's first start ----------------------------------
+
+def running_zipapp(pid: int) -> bool:
+    """run.sh has exec'd Python on the zipapp (until then its shell's own trap answers)."""
+    try:
+        return b"spillpack.pyz" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_while_the_zipapp_unpacks_exits_75_with_nothing_written(bundle, phome, tmp_path, tiny_home, sig):
+    """shiv unpacks the zipapp's site-packages on a machine's first start (a second or more)
+    before any of runtime/ can run: a stop then is recorded and told once the job's code is up."""
+    import fcntl
+    import zipfile
+
+    from jobproc import handler_installed
+
+    home = new_home(tmp_path, tiny_home, "node")
+    env = clean_env(home)
+    shiv_root = Path(env["TMPDIR"]) / f"spillpack-{os.getuid()}"  # where run.sh has it unpack
+    shiv_root.mkdir(parents=True)
+    build_id = json.loads(zipfile.ZipFile(bundle / "spillpack.pyz").read("environment.json"))["build_id"]
+    # Hold shiv's own unpacking lock, as a concurrent first start on this node would: this start
+    # waits at it, inside the unpacking, until the test lets go.
+    lock = os.open(shiv_root / f".spillpack.pyz_{build_id}_lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        p = subprocess.Popen([str(bundle / "run.sh")], env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: running_zipapp(p.pid) and handler_installed(p.pid, sig), "the zipapp's first instruction", p)
+            p.send_signal(sig)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+        out, err = p.communicate(timeout=300)
+    finally:
+        os.close(lock)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 75, (p.returncode, err)
+    pre = [e for e in events_of(out) if e["event"] == "preempted"]
+    assert len(pre) == 1 and pre[0]["signal"] == sig.name and pre[0]["step"] is None, out
+    assert not any(e["event"] in ("start", "error") for e in events_of(out)) and "Traceback" not in err
+    assert not (tmp_path / "state").exists()
+    # Unpacked all the same (shiv finishes its one atomic unpacking): the next start runs at once.
+    assert (shiv_root / f"spillpack.pyz_{build_id}" / "site-packages" / "runtime").is_dir()
 
 
 # -- the first start's wheel install ---------------------------------------------------------

@@ -19,6 +19,7 @@ The budget is the platform's grace period: `--grace-s`, else SPILLPACK_GRACE_S, 
 
 import os
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -168,6 +169,9 @@ def install_process_handler() -> Preemption:
     global _process
     if _process is None:
         _process = Preemption(grace_from_env() or PROMISE_S).install()
+        # A stop the bundle's zipapp recorded before this handler existed (runtime/bootstrap/early.py).
+        for name in getattr(sys.modules.get("_spillpack_early"), "stopped", ())[:1]:
+            _process.request(name)
     return _process
 
 

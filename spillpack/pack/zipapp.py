@@ -5,6 +5,10 @@ platform under _spillpack_platforms/ with that platform's compiled wheels (abi3 
 modules have the same file name on every platform, so they cannot share one directory);
 runtime.bootstrap.platforms puts the one that fits the machine first on sys.path.
 
+The archive's __main__ runs runtime/bootstrap/early.py (copied to the root as
+_spillpack_early.py) before shiv's bootstrap, so a stop during the first start's unpacking is
+recorded and exits 75 instead of killing the process with 143.
+
 Reproducible: shiv sorts entries and takes its build id from a hash of the contents; we
 fix the timestamp (shiv's 1980 default), the file modes, the shebang and the order in
 which wheels are unpacked. A finished pyz is cached by a hash of its inputs.
@@ -17,10 +21,13 @@ import json
 import os
 import shutil
 import tempfile
+import time
+import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 import runtime
+from runtime.bootstrap import early
 from runtime.bootstrap.platforms import PLATFORM_DIR
 from runtime.bootstrap.wheels import unpack_wheel
 
@@ -63,6 +70,7 @@ def build(per_platform: dict[str, list[Path]], dest: Path, cache: Path) -> None:
     key_parts = {
         "shiv": _shiv_version(),
         "entry": ENTRY_POINT,
+        "main": f"{early.MODULE}:main",
         "runtime": [(rel, _sha(p)) for rel, p in runtime_files()],
         "common": [(w.name, _sha(w)) for w in common],
         "own": {t: [(w.name, _sha(w)) for w in ws] for t, ws in own.items()},
@@ -108,4 +116,11 @@ def _create(stage: Path, dest: Path) -> None:
     # .pyc atomically on first import anyway. build_id None: shiv hashes the contents.
     env = Environment(built_at=built_at, shiv_version=_shiv_version(), entry_point=ENTRY_POINT, compile_pyc=False,
                       reproducible=True)
-    create_archive([stage], target=dest, interpreter=SHEBANG, main="_bootstrap:bootstrap", env=env, compressed=True)
+    # The archive's __main__ runs runtime/bootstrap/early.py first (copied to the root, where
+    # zipimport finds it before anything is unpacked): a stop during shiv's unpacking exits 75.
+    create_archive([stage], target=dest, interpreter=SHEBANG, main=f"{early.MODULE}:main", env=env, compressed=True)
+    with zipfile.ZipFile(dest, "a", compression=zipfile.ZIP_DEFLATED) as archive:
+        info = zipfile.ZipInfo(f"{early.MODULE}.py", date_time=time.gmtime(SOURCE_DATE_EPOCH_DEFAULT)[:6])
+        info.compress_type = zipfile.ZIP_DEFLATED
+        info.external_attr = 0o644 << 16
+        archive.writestr(info, Path(early.__file__).read_bytes())
