@@ -214,6 +214,14 @@ def build_mask(T: int, S: int, offsets, attn_mask, device, window: int | None = 
     return allowed[:, None]  # (B, 1, T, S)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding without its random init: the model is built on the meta device and every
+    weight is loaded over it, and normal_ on meta imports torch._dynamo (a second per process)."""
+
+    def reset_parameters(self):
+        pass
+
+
 class LlamaModel(nn.Module):
     block, norm_class = TransformerBlock, RMSNorm  # a family swaps in its own
     # Per-layer activation checkpointing in training: keep each layer's input only and run the
@@ -223,7 +231,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(self.block(args, i) for i in range(args.num_hidden_layers))
         self.norm = self.norm_class(args.hidden_size, args.rms_norm_eps)
         # One rotary per layer type (Gemma 3 rotates local and global layers differently);
