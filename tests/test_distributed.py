@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import REPO, events_of, run_cli
-from runtime.data.train import rank_share
+from runtime.data.train import rank_rows, rank_share
 
 DATA = str(REPO / "examples/data/train.jsonl")
 # 3 micro-batches of 4 rows a step: 2 ranks take 6 rows each (one micro-batch cut in two), 3 ranks one each.
@@ -87,7 +87,8 @@ def test_rank_shares_cover_each_row_once(n, batch, world):
 def test_shares_sum_to_the_step_gradient(home, world):
     """The math a group relies on, on real tensors: the gradients of every rank's share (each
     divided by the whole step's target count) sum to the one-process step's gradient,
-    whether the world size divides the micro-batches or not."""
+    whether the world size divides the micro-batches or not; with LoRA dropout too, each row
+    keyed by its place in the step."""
     import torch
 
     from runtime.data.train import BatchOrder, collate, load_train_data
@@ -100,7 +101,7 @@ def test_shares_sum_to_the_step_gradient(home, world):
     model_dir = resolve_model("tiny", None)
     tok = Tokenizer.from_dir(model_dir.path)
     data = load_train_data(DATA, tok, 2048)
-    spec = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "v_proj"), dropout=0.0)
+    spec = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "v_proj"), dropout=0.2)
     tensors = init_tensors(model_dir.config, spec, 0)
     tensors = {k: v + 0.01 for k, v in tensors.items()}  # B is zero at init: give A's gradient something to carry
     session = get_engine("torch-cpu").train_session(model_dir, spec, tensors, OptimSpec())
@@ -109,11 +110,12 @@ def test_shares_sum_to_the_step_gradient(home, world):
 
     def grads(mbs):
         session.discard()
-        loss, _ = session.forward_backward([collate([data.examples[i] for i in mb], 0) for mb in mbs], targets)
+        loss, _ = session.forward_backward([(*collate([data.examples[i] for i in mb], 0), np.array(places))
+                                            for mb, places in mbs], targets)
         return loss, {n: (session.params[n].grad.clone() if session.params[n].grad is not None else 0) for n in session.names}
 
-    whole_loss, whole = grads(step)
-    parts = [grads(rank_share(step, r, world)) for r in range(world)]
+    whole_loss, whole = grads(rank_rows(step, 0, 1))
+    parts = [grads(rank_rows(step, r, world)) for r in range(world)]
     assert abs(sum(l for l, _ in parts) - whole_loss) <= 1e-4 * abs(whole_loss)
     for n in session.names:
         total = sum(g[n] for _, g in parts)

@@ -235,3 +235,15 @@ def rank_share(micro_batches: list[list[int]], rank: int, world: int) -> list[li
             out.append(part)
         at += len(mb)
     return out
+
+
+def rank_rows(micro_batches: list[list[int]], rank: int, world: int) -> list[tuple[list[int], list[int]]]:
+    """rank_share's micro-batches, each as (examples, their rows' places in the step). A row's
+    place keys its LoRA dropout masks (runtime.models.dropout), so a step draws the same masks
+    however it is cut into micro-batches or spread over ranks."""
+    places, at = [], 0
+    for mb in micro_batches:
+        places.append(list(range(at, at + len(mb))))
+        at += len(mb)
+    flat = [i for mb in micro_batches for i in mb]
+    return [([flat[r] for r in mb], mb) for mb in rank_share(places, rank, world)]

@@ -5,9 +5,11 @@
     describe() -> dict                      device model, software versions, base dtype (the state's
                                             history records it per process: what bit-identical needs)
     train_session(model_dir, spec, init_tensors, opt, seed) -> a session with
-        forward_backward(micro_batches: list[(ids, labels)], total_targets, step) -> (loss_sum, tokens)
-            accumulates gradients; abandonable (it touches only the gradients); LoRA dropout's
-            masks are a pure function of (seed, step, micro-batch)
+        forward_backward(micro_batches: list[(ids, labels[, places])], total_targets, step) -> (loss_sum, tokens)
+            accumulates gradients; abandonable (it touches only the gradients). An entry may
+            be (ids, labels, places): the rows' places in the step (default: counted from 0
+            over the call's micro-batches), which with the seed and step key LoRA dropout's
+            masks (runtime.models.dropout), so a step's masks do not depend on how it is cut
         apply(lr)                           the AdamW update (torch.optim.AdamW's formula on every engine)
         discard()                           drop accumulated gradients
         export() -> dict[str, np.ndarray]   engine-neutral float32: adapter.<name>, optim.<name>.exp_avg(_sq)

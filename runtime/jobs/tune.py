@@ -16,13 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import orjson
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 from safetensors.numpy import save_file as st_save_file
 
 from runtime.models.lora import LoraSpec, init_tensors, save_adapter
-from runtime.data.train import BatchOrder, collate, load_train_data, rank_share
+from runtime.data.train import BatchOrder, collate, load_train_data, rank_rows
 from runtime.engines import OptimSpec, get_engine
 from runtime.core.job import Job, Outcome
 from runtime.engines.hardware import engine_rate
@@ -188,8 +189,8 @@ class TuneWork:
         # Every rank divides by the whole step's target count, so the ranks' gradients sum to the step's.
         self._targets = sum(sum(examples[i].mask[1:]) for mb in step for i in mb)
         group = self.job.group
-        mine = rank_share(step, group.rank, group.world) if group is not None else step
-        batches = [collate([examples[i] for i in mb], self.session.pad_id) for mb in mine]
+        mine = rank_rows(step, *((group.rank, group.world) if group is not None else (0, 1)))
+        batches = [(*collate([examples[i] for i in mb], self.session.pad_id), np.array(places)) for mb, places in mine]
         self._result = self.session.forward_backward(batches, self._targets, self.done)
 
     def discard(self) -> None:

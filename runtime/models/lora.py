@@ -92,12 +92,6 @@ def init_tensors(config: dict, spec: LoraSpec, seed: int) -> dict[str, np.ndarra
     return out
 
 
-def dropout_seed(seed: int, step: int, micro_batch: int) -> int:
-    """The seed of LoRA dropout's masks for one micro-batch: a pure function of (seed, step,
-    micro-batch), like the batch order, so a resumed or recomputed step drops the same inputs."""
-    return int(np.random.SeedSequence([seed, step, micro_batch, 0xD0]).generate_state(1)[0])
-
-
 def save_adapter(directory: Path, tensors: dict[str, np.ndarray], spec: LoraSpec, base_model: str, num_layers: int) -> None:
     """Both layouts into `directory` (PEFT at the top, mlx-lm under mlx/)."""
     directory = Path(directory)

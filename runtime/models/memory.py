@@ -9,11 +9,13 @@ what the engines' autograd keeps for backward through a frozen base with LoRA ad
 - LoRA: adapter tensors, their gradients and AdamW's two moments, float32;
 - activations, per token and decoder layer: the inputs of both norms, q/k/v and the
   attention output kept by the fused attention kernel, the MLP's gate, its activation and
-  up projection, and whatever the adapted linears keep (their input, and x A^T);
+  up projection, and whatever the adapted linears keep (their input, and x A^T; with LoRA
+  dropout also the dropped float32 input and its 1-byte mask);
   with checkpointing only each layer's input is kept, plus one layer's activations while
   it is recomputed in backward;
-- logits: only the positions with loss are projected, float32, alive together with the
-  log-softmax and its gradient at the start of backward;
+- logits: only the positions with loss are projected, a chunk of them at a time (`loss_chunk`:
+  each chunk's logits recomputed in backward), float32, alive together with the log-softmax
+  and its gradient;
 - runtime: what the process holds before the model (interpreter, framework, tokenizer, data)
   and what its first step adds, on a host engine; the CUDA context on a GPU.
 
@@ -35,6 +37,15 @@ SLACK = 0.05
 STEP_RUNTIME_GB = 0.1  # what a host process adds at its first step (thread pools, kernels), measured on torch-cpu
 CUDA_CONTEXT_GB = 0.5  # the CUDA context and cuBLAS workspaces, not in the allocator's count
 MODES = ("auto", "on", "off")
+# The loss projects the positions with loss onto the vocabulary this many float32 logits at a
+# time, each chunk recomputed in backward: at a 152k vocabulary 2,048 targets' logits alone are
+# 1.2 GB, four times that with the log-softmax and the gradients of both.
+LOSS_CHUNK_LOGITS = 2**24  # 64 MiB of float32 logits
+
+
+def loss_chunk(vocab_size: int) -> int:
+    """Target positions per chunk of the loss (the engines' and the plan's)."""
+    return max(1, LOSS_CHUNK_LOGITS // vocab_size)
 
 
 @dataclass(frozen=True)
@@ -133,7 +144,8 @@ def _mlp_width(a) -> int:
     return a.intermediate_size
 
 
-def layer_bytes_per_token(config: dict, targets: tuple, rank: int, act_bytes: int, checkpointed: bool) -> tuple[float, float]:
+def layer_bytes_per_token(config: dict, targets: tuple, rank: int, act_bytes: int, checkpointed: bool,
+                          dropout: bool = False) -> tuple[float, float]:
     """(kept for backward, transient in backward) bytes per token of one decoder layer."""
     a = _args(config)
     d, hd = a.hidden_size, a.head_dim
@@ -153,25 +165,28 @@ def layer_bytes_per_token(config: dict, targets: tuple, rank: int, act_bytes: in
         kept += inter
     if getattr(a, "num_experts", 0):
         kept += a.num_experts  # router logits
-    kept_bytes = kept * act_bytes + sum(4 * rank + (4 * i if act_bytes != 4 else 0) for i, _ in adapted.values())
+    # x A^T, and the input A reads: a float32 copy of a lower-precision input; with dropout the
+    # dropped float32 input and the mask (bool) it multiplied by.
+    lora_input = (lambda i: 5 * i) if dropout else (lambda i: 4 * i if act_bytes != 4 else 0)
+    kept_bytes = kept * act_bytes + sum(4 * rank + lora_input(i) for i, _ in adapted.values())
     transient = (3 * inter + 2 * d) * act_bytes  # gradients of the MLP's intermediates and the residual
     return kept_bytes, transient
 
 
 def estimate(config: dict, targets: tuple, rank: int, act_bytes: int, batch: Batch, grad_checkpoint: bool,
-             runtime_gb: float, params: int | None = None) -> Estimate:
+             runtime_gb: float, params: int | None = None, dropout: bool = False) -> Estimate:
     """The predicted peak of one forward/backward over `batch` (plus the optimizer's state)."""
     a = _args(config)
     weights = (params if params is not None else base_params(config)) * act_bytes
     lora_params = sum(rank * (i + o) for name, (i, o) in a.lora_linears().items() if name.split(".")[-1] in targets)
     lora = lora_params * a.num_hidden_layers * 4 * 4  # tensors, gradients, two moments
-    kept, transient = layer_bytes_per_token(config, targets, rank, act_bytes, grad_checkpoint)
+    kept, transient = layer_bytes_per_token(config, targets, rank, act_bytes, grad_checkpoint, dropout)
     n, L = batch.tokens, a.num_hidden_layers
     # Sliding layers shorter than the sequence go through an explicit mask: their scores are kept.
     windowed = sum(1 for i in range(L) if a.window(i) is not None and a.window(i) < batch.seq)
     scores = batch.rows * a.num_attention_heads * batch.seq * batch.seq * (act_bytes + 1)
-    # logits, log-softmax, and the gradients of both (float32), and the logits in the base dtype first
-    logits = batch.targets * a.vocab_size * (4 * 4 + (act_bytes if act_bytes != 4 else 0))
+    # one chunk's logits, log-softmax, and the gradients of both (float32), and its logits in the base dtype first
+    logits = min(batch.targets, loss_chunk(a.vocab_size)) * a.vocab_size * (4 * 4 + (act_bytes if act_bytes != 4 else 0))
     logits += batch.targets * a.hidden_size * 4 * 2  # gathered hidden states and their gradient
     if grad_checkpoint:
         forward = L * n * a.hidden_size * act_bytes  # each layer's input
@@ -192,7 +207,7 @@ class NoFit(SpillpackError):
 
 def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, batch: int, grad_accum: int, mode: str,
         available_gb: float, available_from: str, runtime_gb: float, params: int | None = None,
-        max_seq: int | None = None) -> Plan:
+        max_seq: int | None = None, dropout: bool = False) -> Plan:
     """The plan a step runs under. `batches_at(m)` lists the job's micro-batches (as Batch) when
     each step's examples run m rows at a time. auto: the job's micro-batch as given, then with
     checkpointing, then micro-batches halved (4 x 1, 2 x 2, 1 x 4) until it fits; on: always
@@ -211,7 +226,7 @@ def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, bat
     for m, ckpt in order:
         if m not in shapes:
             shapes[m] = batches_at(m)
-        worst = max(((estimate(config, targets, rank, act_bytes, b, ckpt, runtime_gb, params), b) for b in shapes[m]),
+        worst = max(((estimate(config, targets, rank, act_bytes, b, ckpt, runtime_gb, params, dropout), b) for b in shapes[m]),
                     key=lambda eb: eb[0].peak_gb)
         tried.append(Plan(m, ckpt, worst[0], worst[1], available_gb, available_from, batch, grad_accum))
     for plan in tried:
@@ -219,7 +234,7 @@ def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, bat
             plan.tried = tried
             return plan
     last = tried[-1]
-    raise NoFit(_no_fit_line(last, mode), _suggestion(config, targets, rank, act_bytes, last, runtime_gb, params, max_seq))
+    raise NoFit(_no_fit_line(last, mode), _suggestion(config, targets, rank, act_bytes, last, runtime_gb, params, max_seq, dropout))
 
 
 def _no_fit_line(last: Plan, mode: str) -> str:
@@ -228,14 +243,14 @@ def _no_fit_line(last: Plan, mode: str) -> str:
     return f"tune needs about {last.estimate.peak_gb:.1f} GB at micro-batch 1 {how}; {where} {last.available_gb:.1f} GB"
 
 
-def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params, max_seq) -> str:
+def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params, max_seq, dropout) -> str:
     """The longest --max-seq that would fit at micro-batch 1 with checkpointing, else the memory needed."""
     longest = last.longest
     seq = min(max_seq or longest.seq, longest.seq)
     while seq >= 32:
         seq //= 2
         shorter = Batch(1, seq, max(1, longest.targets * seq // max(1, longest.seq)))
-        if estimate(config, targets, rank, act_bytes, shorter, True, runtime_gb, params).peak_gb <= last.available_gb:
+        if estimate(config, targets, rank, act_bytes, shorter, True, runtime_gb, params, dropout).peak_gb <= last.available_gb:
             return f"spillpack tune ... --max-seq {seq}"
-    floor = estimate(config, targets, rank, act_bytes, Batch(1, 32, 16), True, runtime_gb, params).peak_gb
+    floor = estimate(config, targets, rank, act_bytes, Batch(1, 32, 16), True, runtime_gb, params, dropout).peak_gb
     return f"a machine with at least {floor:.1f} GB free (the weights alone need {last.estimate.weights_gb:.1f} GB), or a smaller model"

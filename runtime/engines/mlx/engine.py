@@ -13,16 +13,35 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from runtime.models.lora import LoraSpec, dropout_seed
+from runtime.models.dropout import feature_keys, keep_mask, token_keys
+from runtime.models.lora import LoraSpec
+from runtime.models.memory import loss_chunk
 from runtime.engines.mlx.models import load_model
 from runtime.engines import OptimSpec
 
 
+class DropoutKeys:
+    """The token keys of the micro-batch being computed (runtime.models.dropout), shared by every
+    LoRA layer of a model; None outside training. A layer recomputed in backward reads the same."""
+
+    tokens: mx.array | None = None  # (B, T) int32
+
+    def for_input(self, h: mx.array) -> mx.array:
+        """The keys of the tokens `h` (..., width) holds: the micro-batch's, or all of them
+        flattened (a MoE expert runs on every token)."""
+        if tuple(h.shape[:-1]) == tuple(self.tokens.shape):
+            return self.tokens
+        assert h.shape[0] == self.tokens.size and h.ndim == 2, f"no token keys for an input of shape {tuple(h.shape)}"
+        return self.tokens.reshape(-1)
+
+
 class LoRALinear(nn.Module):
     """Wraps a frozen nn.Linear. lora_A/lora_B are bias-free linears, so their weights sit at
-    the canonical `<module>.lora_A.weight` (r, in) and `<module>.lora_B.weight` (out, r)."""
+    the canonical `<module>.lora_A.weight` (r, in) and `<module>.lora_B.weight` (out, r).
+    Dropout's masks are runtime.models.dropout's, the same as the torch engine's."""
 
-    def __init__(self, base: nn.Linear, A: np.ndarray, B: np.ndarray, scale: float, dropout: float = 0.0):
+    def __init__(self, base: nn.Linear, A: np.ndarray, B: np.ndarray, scale: float, dropout: float = 0.0,
+                 keys: DropoutKeys | None = None, features: np.ndarray | None = None):
         super().__init__()
         self.base = base
         self.lora_A = nn.Linear(A.shape[1], A.shape[0], bias=False)
@@ -30,12 +49,16 @@ class LoRALinear(nn.Module):
         self.lora_A.weight = mx.array(A, dtype=mx.float32)
         self.lora_B.weight = mx.array(B, dtype=mx.float32)
         self.scale = scale
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        # Underscores: not parameters, never trained or saved.
+        self._p, self._keys = dropout, keys
+        self._features = None if features is None else mx.array(features)  # (in,) int32
 
     def __call__(self, x):
         y = self.base(x)
-        xd = self.dropout(x) if self.dropout is not None else x
-        z = self.lora_B(self.lora_A(xd.astype(mx.float32)))
+        h = x.astype(mx.float32)
+        if self.training and self._p > 0 and self._keys is not None and self._keys.tokens is not None:
+            h = h * keep_mask(self._keys.for_input(h), self._features, self._p) / (1 - self._p)
+        z = self.lora_B(self.lora_A(h))
         return y + (self.scale * z).astype(y.dtype)
 
 
@@ -46,34 +69,50 @@ def _submodule(model: nn.Module, path: str):
     return obj
 
 
-def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec) -> dict[str, LoRALinear]:
+def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec, keys: DropoutKeys | None = None) -> dict[str, LoRALinear]:
     """Wrap each targeted linear (the model is frozen first); returns the wrappers by module name."""
     model.freeze()
     wrapped = {}
     for name in sorted({k.rsplit(".lora_", 1)[0] for k in tensors}):
         parent_name, _, child = name.rpartition(".")
         parent = _submodule(model, parent_name)
-        lora = LoRALinear(getattr(parent, child), tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"],
-                          spec.scale, spec.dropout)
+        A = tensors[f"{name}.lora_A.weight"]
+        features = feature_keys(name, A.shape[1]) if keys is not None else None
+        lora = LoRALinear(getattr(parent, child), A, tensors[f"{name}.lora_B.weight"], spec.scale, spec.dropout, keys, features)
         setattr(parent, child, lora)
         lora.base.freeze()
         wrapped[name] = lora
     return wrapped
 
 
-def _loss(model, ids, rows, cols, targets):
+def target_loss(model, hidden, targets, chunk: int):
+    """Summed cross-entropy of the positions with loss, hidden (N, D) and targets (N,), float32.
+    `chunk` positions at a time, each chunk checkpointed, so only one chunk's vocabulary-wide
+    logits are alive in forward and in backward (runtime.models.memory.loss_chunk)."""
+
+    def part(y):
+        return lambda h: nn.losses.cross_entropy(model.logits(h).astype(mx.float32), y, reduction="sum")  # (n, V) logits
+
+    n = hidden.shape[0]
+    if n <= chunk:
+        return part(targets)(hidden)
+    return sum(mx.checkpoint(part(targets[s:s + chunk]))(hidden[s:s + chunk]) for s in range(0, n, chunk))
+
+
+def _loss(model, ids, rows, cols, targets, chunk):
     hidden = model.hidden_states(ids)  # (B, T, D); right padding is harmless under the causal mask
-    logits = model.logits(hidden[rows, cols]).astype(mx.float32)  # (N, V): only positions with loss
-    return nn.losses.cross_entropy(logits, targets, reduction="sum")
+    return target_loss(model, hidden[rows, cols], targets, chunk)  # only positions with loss
 
 
 class MLXTrainSession:
     def __init__(self, engine: "MLXEngine", model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0):
         self.engine, self.spec, self.opt, self.seed = engine, spec, opt, seed
         self.model = load_model(model_dir, dtype=engine.base_dtype)
-        self.loras = apply_lora(self.model, tensors, spec)
+        self.keys = DropoutKeys() if spec.dropout > 0 else None
+        self.loras = apply_lora(self.model, tensors, spec, self.keys)
         self.names = sorted(tensors)
         self.model.train(spec.dropout > 0)
+        self.loss_chunk = loss_chunk(self.model.args.vocab_size)  # target positions per chunk of the loss
         self._value_and_grad = nn.value_and_grad(self.model, _loss)
         self.grads: dict[str, mx.array] | None = None
         self.moments: dict[str, tuple[mx.array, mx.array]] = {}
@@ -95,18 +134,22 @@ class MLXTrainSession:
 
     def forward_backward(self, micro_batches, total_targets: int, step: int = 0) -> tuple[float, int]:
         """Accumulate gradients for one optimizer step. Abandonable: it only touches self.grads."""
-        loss_sum, tokens = 0.0, 0
-        for i, (ids, labels) in enumerate(micro_batches):
-            if self.spec.dropout > 0:
-                mx.random.seed(dropout_seed(self.seed, step, i))  # dropout's masks from (seed, step), resumable
+        loss_sum, tokens, row = 0.0, 0, 0
+        for ids, labels, *rows in micro_batches:
+            rows = rows[0] if rows else np.arange(row, row + len(ids))  # the rows' places in the step
+            row += len(ids)
+            if self.keys is not None:
+                self.keys.tokens = mx.array(token_keys(self.seed, step, rows, ids.shape[1]))
             rows, cols = np.nonzero(labels != -100)
             loss, grads = self._value_and_grad(self.model, mx.array(ids), mx.array(rows), mx.array(cols),
-                                               mx.array(labels[rows, cols]))
+                                               mx.array(labels[rows, cols]), self.loss_chunk)
             flat = {k: g / total_targets for k, g in tree_flatten(grads)}
             self.grads = flat if self.grads is None else {k: self.grads[k] + g for k, g in flat.items()}
             mx.eval(loss, self.grads)
             loss_sum += float(loss)
             tokens += int(ids.size)
+        if self.keys is not None:
+            self.keys.tokens = None
         return loss_sum, tokens
 
     def apply(self, lr: float) -> None:

@@ -13,40 +13,59 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch.utils.checkpoint import checkpoint
+
 from runtime.errors import SpillpackError
-from runtime.models.lora import LoraSpec, dropout_seed
+from runtime.models.memory import loss_chunk
+from runtime.models.dropout import feature_keys, keep_mask, token_keys
+from runtime.models.lora import LoraSpec
 from runtime.engines.torch.device import PeakMemory, describe, make_deterministic
-from runtime.engines.torch.models import load_checkpoint, load_model
+from runtime.engines.torch.models import load_checkpoint, load_model, routed_tokens
 from runtime.engines.torch.precision import LossScaler, device_precision, grads_finite, precision_of
 from runtime.engines import OptimSpec
+
+
+class DropoutKeys:
+    """The token keys of the micro-batch being computed (runtime.models.dropout), shared by every
+    LoRA layer of a model; None outside training. A layer recomputed in backward reads the same."""
+
+    tokens: torch.Tensor | None = None  # (B, T) int32
+
+    def for_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The keys of the tokens `h` (..., width) holds: the micro-batch's, or those routed to an expert."""
+        if h.shape[:-1] == self.tokens.shape:
+            return self.tokens
+        routed = routed_tokens.get()
+        assert routed is not None and h.shape[:-1] == routed.shape, f"no token keys for an input of shape {tuple(h.shape)}"
+        return self.tokens.reshape(-1)[routed]
 
 
 class LoRALinear(nn.Module):
     """Wraps a frozen nn.Linear: y = base(x) + scale * (dropout(x) A^T) B^T.
 
-    Dropout draws from `rng` (shared by every LoRA layer of a model, reseeded per micro-batch
-    from (seed, step)), not from torch's global generator, so a resumed step drops the same inputs.
+    Dropout's masks are a pure function of each token's key and this module's feature keys
+    (runtime.models.dropout), so a recomputed, resumed or re-split step drops the same inputs.
     """
 
-    def __init__(self, base: nn.Linear, A: torch.Tensor, B: torch.Tensor, scale: float, dropout: float = 0.0, rng=None):
+    def __init__(self, base: nn.Linear, A: torch.Tensor, B: torch.Tensor, scale: float, dropout: float = 0.0,
+                 keys: DropoutKeys | None = None, features: torch.Tensor | None = None):
         super().__init__()
         self.base = base
         self.lora_A = nn.Parameter(A)  # (r, in)
         self.lora_B = nn.Parameter(B)  # (out, r)
         self.scale = scale
-        self.p, self.rng = dropout, rng
+        self.p, self.keys, self.features = dropout, keys, features  # features: (in,) int32, not a buffer
 
     def forward(self, x):
         y = self.base(x)
         h = x.to(self.lora_A.dtype)
-        if self.training and self.p > 0:
-            keep = torch.empty_like(h).bernoulli_(1 - self.p, generator=self.rng)
-            h = h * keep / (1 - self.p)
+        if self.training and self.p > 0 and self.keys is not None and self.keys.tokens is not None:
+            h = h * keep_mask(self.keys.for_input(h), self.features, self.p) / (1 - self.p)
         z = F.linear(F.linear(h, self.lora_A), self.lora_B)
         return y + (self.scale * z).to(y.dtype)
 
 
-def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec, device, rng=None) -> dict[str, nn.Parameter]:
+def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec, device, keys: DropoutKeys | None = None) -> dict[str, nn.Parameter]:
     """Wrap each targeted linear; returns the trainable parameters by canonical name."""
     params = {}
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in tensors})
@@ -56,11 +75,27 @@ def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec,
         base = getattr(parent, child)
         A = torch.tensor(tensors[f"{name}.lora_A.weight"], dtype=torch.float32, device=device)
         B = torch.tensor(tensors[f"{name}.lora_B.weight"], dtype=torch.float32, device=device)
-        wrapped = LoRALinear(base, A, B, spec.scale, spec.dropout, rng)
+        features = torch.from_numpy(feature_keys(name, A.shape[1])).to(device) if keys is not None else None
+        wrapped = LoRALinear(base, A, B, spec.scale, spec.dropout, keys, features)
         setattr(parent, child, wrapped)
         params[f"{name}.lora_A.weight"] = wrapped.lora_A
         params[f"{name}.lora_B.weight"] = wrapped.lora_B
     return params
+
+
+def target_loss(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Summed cross-entropy of the positions with loss, hidden (N, D) and targets (N,), float32.
+    `chunk` positions at a time, each chunk checkpointed, so only one chunk's vocabulary-wide
+    logits are alive in forward and in backward (runtime.models.memory.loss_chunk)."""
+
+    def part(h, y):
+        return F.cross_entropy(model.logits(h).float(), y, reduction="sum")  # (n, V) logits in float32
+
+    n = hidden.shape[0]
+    if n <= chunk or not torch.is_grad_enabled():
+        return part(hidden, targets)
+    return sum(checkpoint(part, hidden[s:s + chunk], targets[s:s + chunk], use_reentrant=False, preserve_rng_state=False)
+               for s in range(0, n, chunk))
 
 
 class TorchTrainSession:
@@ -69,14 +104,15 @@ class TorchTrainSession:
         self.model = load_model(model_dir, dtype=engine.base_dtype, device=engine.device)
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.rng = torch.Generator(device=engine.device) if spec.dropout > 0 else None
-        self.params = apply_lora(self.model, tensors, spec, engine.device, self.rng)
+        self.keys = DropoutKeys() if spec.dropout > 0 else None
+        self.params = apply_lora(self.model, tensors, spec, engine.device, self.keys)
         self.names = sorted(self.params)
         self.optimizer = torch.optim.AdamW([self.params[n] for n in self.names], lr=0.0, betas=opt.betas, eps=opt.eps,
                                            weight_decay=opt.weight_decay)
         self.scaler = LossScaler() if engine.precision.loss_scaling else None
         self.model.train(spec.dropout > 0)
         self.pad_id = 0
+        self.loss_chunk = loss_chunk(self.model.args.vocab_size)  # target positions per chunk of the loss
 
     @property
     def grad_checkpoint(self) -> bool:
@@ -109,21 +145,24 @@ class TorchTrainSession:
                                      "spillpack doctor, then the same command with --engine torch-cpu (a float32 base)")
 
     def _accumulate(self, micro_batches, total_targets: int, step: int, scale: float) -> tuple[float, int]:
-        loss_sum, tokens = 0.0, 0
+        loss_sum, tokens, row = 0.0, 0, 0
         dev = self.engine.device
-        for i, (ids, labels) in enumerate(micro_batches):
-            if self.rng is not None:
-                self.rng.manual_seed(dropout_seed(self.seed, step, i))
+        for ids, labels, *rows in micro_batches:
+            rows = rows[0] if rows else np.arange(row, row + len(ids))  # the rows' places in the step
+            row += len(ids)
+            if self.keys is not None:
+                self.keys.tokens = torch.from_numpy(token_keys(self.seed, step, rows, ids.shape[1])).to(dev)
             ids_t = torch.from_numpy(ids).to(dev)
             labels_t = torch.from_numpy(labels).to(dev)
             # Right padding under a causal mask: real tokens never see the pads after them.
             hidden = self.model.hidden_states(ids_t)  # (B, T, D)
             keep = labels_t != -100  # (B, T)
-            logits = self.model.logits(hidden[keep]).float()  # (N, V): only positions with loss
-            loss = F.cross_entropy(logits, labels_t[keep], reduction="sum")
+            loss = target_loss(self.model, hidden[keep], labels_t[keep], self.loss_chunk)  # only positions with loss
             (loss * (scale / total_targets)).backward()
             loss_sum += float(loss.detach())
             tokens += int(ids.size)
+        if self.keys is not None:
+            self.keys.tokens = None
         return loss_sum, tokens
 
     def _optimizer_state(self, p, step: float = 0.0, exp_avg=None, exp_avg_sq=None) -> None:

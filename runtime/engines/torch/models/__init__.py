@@ -3,6 +3,7 @@ strict loading of a Hugging Face safetensors checkpoint into it."""
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +13,10 @@ from runtime.models.weights import check_weights, read_tensors, weight_files
 
 if TYPE_CHECKING:
     from runtime.models.ref import ModelDir
+
+# Which of the micro-batch's flattened (B*T) tokens the current call sees, where a module runs
+# on some of them (a MoE expert on the tokens routed to it): LoRA dropout keys its masks by token.
+routed_tokens: ContextVar = ContextVar("routed_tokens", default=None)
 
 
 def load_weights(files, dtype, device) -> dict:

@@ -225,8 +225,9 @@ class Embedding(nn.Embedding):
 class LlamaModel(nn.Module):
     block, norm_class = TransformerBlock, RMSNorm  # a family swaps in its own
     # Per-layer activation checkpointing in training: keep each layer's input only and run the
-    # layer again in backward. The recomputation runs the same kernels on the same inputs (and
-    # replays the RNG for dropout), so losses and gradients are unchanged.
+    # layer again in backward. The recomputation runs the same kernels on the same inputs, and
+    # LoRA dropout's masks are a function of the tokens (runtime.models.dropout), not of a
+    # generator's state, so losses and gradients are unchanged.
     grad_checkpoint = False
 
     def __init__(self, args: ModelArgs):

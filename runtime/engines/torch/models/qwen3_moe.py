@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.engines.torch.models import llama, qwen3
+from runtime.engines.torch.models import llama, qwen3, routed_tokens
 from runtime.models.args import ModelArgs
 
 
@@ -49,7 +49,11 @@ class SparseMoeBlock(nn.Module):
         out = torch.zeros_like(flat)
         for e in chosen.unique().tolist():  # only the experts some token chose
             token, slot = torch.where(chosen == e)
-            y = self.experts[e](flat[token]) * weights[token, slot, None]
+            routed = routed_tokens.set(token)
+            try:
+                y = self.experts[e](flat[token]) * weights[token, slot, None]
+            finally:
+                routed_tokens.reset(routed)
             out.index_add_(0, token, y.to(out.dtype))
         return out.view(B, T, D)
 
