@@ -189,7 +189,8 @@ class TuneWork:
         # Every rank divides by the whole step's target count, so the ranks' gradients sum to the step's.
         self._targets = sum(sum(examples[i].mask[1:]) for mb in step for i in mb)
         group = self.job.group
-        mine = rank_rows(step, *((group.rank, group.world) if group is not None else (0, 1)))
+        rank, world = (group.rank, group.world) if group is not None else (0, 1)
+        mine = rank_rows(step, rank, world)
         batches = [(*collate([examples[i] for i in mb], self.session.pad_id), np.array(places)) for mb, places in mine]
         self._result = self.session.forward_backward(batches, self._targets, self.done)
 
