@@ -32,7 +32,8 @@ def tune(args, state, **kw):
 
 
 # With dropout: the recomputed layers draw the forward's masks (runtime.models.dropout).
-@pytest.mark.parametrize("engine,extra", [("torch-cpu", []), ("mlx", []), ("torch-cpu", ["--dropout", "0.1"]),
+@pytest.mark.parametrize("engine,extra", [("torch-cpu", []), ("mlx", []),
+                                          pytest.param("torch-cpu", ["--dropout", "0.1"], marks=pytest.mark.slow),
                                           ("mlx", ["--dropout", "0.1"])])
 def test_checkpointing_on_and_off_are_bit_identical(home, tmp_path, engine, extra):
     if engine == "mlx":
