@@ -1,10 +1,10 @@
 """`spillpack doctor`: a truthful report of this machine for running jobs."""
 
-import os
 import platform
 import sys
 
 from runtime import __version__
+from runtime.core.allotment import cpus
 from runtime.engines.hardware import ENGINE_NAMES, choose_engine, cuda_facts, disk_free_gb, measure, memory_for, memory_gb, probe, remember_rate
 from runtime.engines.nvidia import CudaFacts
 from runtime.paths import spillpack_home
@@ -43,12 +43,14 @@ def report(engine: str = "auto", measure_rates: bool = True, cuda: CudaFacts | N
             plan_gb, plan_from, _ = memory_for(chosen)
         except Exception as e:  # a device that cannot say its free memory is worth saying, not crashing on
             plan_from = f"unknown ({e})"
+    allotted = cpus()
     return {
         "spillpack": __version__,
         "python": sys.version.split()[0],
         "executable": sys.executable,
         "machine": f"{platform.system()} {platform.machine()}",
-        "cpus": os.cpu_count(),
+        "cpus": allotted.count,
+        "cpus_from": allotted.source,  # "cores", or the affinity mask / cgroup CPU quota that allots fewer
         "memory_gb": round(total, 1),
         "memory_available_gb": round(available, 1),
         "home": str(spillpack_home()),

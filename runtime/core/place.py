@@ -14,6 +14,8 @@ import platform
 import subprocess
 import sys
 
+from runtime.core.allotment import cpus, memory_limit
+
 
 def device(engine: str | None) -> str:
     """The accelerator or CPU a job computes on, with its memory: 'NVIDIA H100 80GB HBM3, 79.6 GB'."""
@@ -31,7 +33,10 @@ def device(engine: str | None) -> str:
         except (OSError, subprocess.SubprocessError, ValueError):
             pass
         return "a CUDA device"
-    return f"{cpu_model()}, {os.cpu_count() or '?'} cores, {_memory_gb():.1f} GB"
+    limit, total = memory_limit(), _memory_gb()
+    memory = f"{total:.1f} GB" if limit is None or limit.limit / 2**30 >= total else \
+        f"{limit.limit / 2**30:.1f} of {total:.1f} GB (cgroup memory limit)"
+    return f"{cpu_model()}, {cpus().describe()}, {memory}"
 
 
 def cpu_model() -> str:

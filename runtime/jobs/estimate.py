@@ -3,7 +3,7 @@ model's shape alone: rough by design (a conservative 20 GFLOP/s a core and 10 GB
 CPU); the row events' eta_s replace them with measurements. A tune's guess is tune.engine_estimate
 (the engine's measured rate), on the same parameter count."""
 
-import os
+from runtime.core.allotment import cpus
 
 FLOPS_PER_CORE = 20e9
 MEMORY_BPS = 10e9
@@ -15,7 +15,7 @@ def params(config: dict) -> int:
 
 
 def cpu_flops() -> float:
-    return FLOPS_PER_CORE * (os.cpu_count() or 1)
+    return FLOPS_PER_CORE * cpus().count
 
 
 def generation_seconds(config: dict, prompt_tokens: int, new_tokens: int, batch: int) -> float:

@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from runtime.core.allotment import cpus
 from runtime.core.place import cpu_model
 
 CUBLAS_WORKSPACE = ":4096:8"  # the setting NVIDIA documents for reproducible cuBLAS results
@@ -27,6 +28,17 @@ CUBLAS_WORKSPACE = ":4096:8"  # the setting NVIDIA documents for reproducible cu
 def before_cuda() -> None:
     """Environment that must exist before CUDA libraries start in this process (no torch call)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+
+
+def fit_threads(device: torch.device) -> int:
+    """On a CPU, one torch thread per CPU this process is allotted, not per core of the machine:
+    under a pod's or container's CPU quota, threads beyond it wait on each other at every op and
+    a step runs many times slower (OMP_NUM_THREADS, when set, is the user's choice and stays)."""
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        allotted = cpus().count
+        if torch.get_num_threads() > allotted:
+            torch.set_num_threads(allotted)
+    return torch.get_num_threads()
 
 
 def make_deterministic(device: torch.device) -> None:

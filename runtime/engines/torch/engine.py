@@ -19,7 +19,8 @@ from runtime.errors import SpillpackError
 from runtime.models.memory import loss_chunk
 from runtime.models.dropout import feature_keys, keep_mask, token_keys
 from runtime.models.lora import LoraSpec
-from runtime.engines.torch.device import PeakMemory, describe, make_deterministic
+from runtime.engines.hardware import return_freed_memory
+from runtime.engines.torch.device import PeakMemory, describe, fit_threads, make_deterministic
 from runtime.engines.torch.models import load_checkpoint, load_model, routed_tokens
 from runtime.engines.torch.precision import LossScaler, device_precision, grads_finite, precision_of
 from runtime.engines import OptimSpec
@@ -231,22 +232,6 @@ class TorchTrainSession:
         return {k: v.numpy() for k, v in weights.items()}
 
 
-def return_freed_memory(threshold: int = 1 << 20) -> None:
-    """Have glibc give tensors of `threshold` bytes or more their own mappings, returned to the
-    system when freed. By default glibc raises that threshold to the size of the last freed
-    block (up to 32 MB), so a step's activations land on the heap and stay resident after they
-    are freed: measured on a 100M model at 4 x 1018 tokens, the resident peak was 3.1 GB with
-    checkpointing where the tensors alive never exceeded 1.9 GB. Elsewhere (macOS, musl) a no-op."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (fixing it also stops the dynamic raise)
-    except (OSError, AttributeError):
-        pass
-
-
 class TorchEngine:
     """`device` and `base_dtype` default to what the engine's name and the device call for."""
 
@@ -256,6 +241,7 @@ class TorchEngine:
         make_deterministic(self.device)  # before anything of this engine reaches the device
         if self.device.type == "cpu":
             return_freed_memory()
+            fit_threads(self.device)
         self.precision = device_precision(self.device) if base_dtype is None else precision_of(base_dtype)
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)

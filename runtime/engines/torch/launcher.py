@@ -17,6 +17,7 @@ import psutil
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from runtime.core.allotment import cpus
 from runtime.errors import EXIT_PREEMPTED, SpillpackError
 
 RENDEZVOUS_TIMEOUT_S = 900  # nodes of one job may start minutes apart (images, queues)
@@ -29,7 +30,7 @@ def run_group(command: list[str], nproc: int, nodes, name: str, debug: bool = Fa
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Ranks that each start one thread per core wait on each other (torchrun's own default is 1).
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cpus().count // nproc))
     single = nodes.count == 1
     config = LaunchConfig(
         min_nodes=nodes.count, max_nodes=nodes.count, nproc_per_node=nproc, run_id=f"spillpack-{name}",
