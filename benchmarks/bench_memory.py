@@ -68,7 +68,9 @@ def tune(model, data, extra, a) -> dict:
     cmd = [sys.executable, "-m", "spillpack", "tune", str(model), str(data), "--steps", str(a.steps), "--batch", str(a.rows),
            "--max-seq", "4096", "--state", state, "--ckpt-every", "1000000", "--headless", *extra]
     env = {**os.environ, "SPILLPACK_HEADLESS": "1", "OMP_NUM_THREADS": str(a.threads)}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode != 0:
         sys.exit(r.stderr)
     events = [json.loads(line) for line in r.stdout.splitlines()]
@@ -77,7 +79,10 @@ def tune(model, data, extra, a) -> dict:
     timed = steps[1:] or steps  # the first step warms up, when there is a second
     return {"planned_gb": start["estimated_peak_gb"], "peak_rss_gb": max(e["peak_mem_gb"] for e in steps),
             "tokens_per_s": sum(e["tokens_per_s"] * e["step_s"] for e in timed) / sum(e["step_s"] for e in timed),
-            "step_s": [e["step_s"] for e in steps], "message": start["message"]}
+            "step_s": [e["step_s"] for e in steps], "message": start["message"],
+            # CPU seconds of the whole process (loading included): what a loaded machine moves
+            # far less than wall time, so the cost of recomputation shows in it
+            "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime}
 
 
 LOAD = r'''
@@ -92,7 +97,9 @@ before = psutil.Process().memory_info().rss
 engine = get_engine("torch-cpu")
 model = engine.load_model(md)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"before_gb": before / 2**30, "peak_gb": peak / 2**30, "after_gb": psutil.Process().memory_info().rss / 2**30}))
+cpu = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"before_gb": before / 2**30, "peak_gb": peak / 2**30, "after_gb": psutil.Process().memory_info().rss / 2**30,
+                  "cpu_s": cpu.ru_utime + cpu.ru_stime}))
 '''
 
 
@@ -123,7 +130,8 @@ def main():
         t0 = time.perf_counter()
         r = tune(model, data, ["--grad-checkpoint", mode, "--targets", a.targets], a)
         print(f"checkpointing {mode}: planned {r['planned_gb']:.2f} GB, measured peak RSS {r['peak_rss_gb']:.2f} GB, "
-              f"{r['tokens_per_s']:.1f} tokens/s, steps {r['step_s']} s, wall {time.perf_counter() - t0:.0f} s")
+              f"{r['tokens_per_s']:.1f} tokens/s, steps {r['step_s']} s, wall {time.perf_counter() - t0:.0f} s, "
+              f"process CPU {r['cpu_s']:.0f} s (loading the weights alone: {load['cpu_s']:.0f} s)")
         print("   ", r["message"])
     print("load average:", os.getloadavg())
 
