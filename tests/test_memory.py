@@ -143,6 +143,7 @@ def measured_vs_planned(model, data, extra, state):
                   state, env={"OMP_NUM_THREADS": "1"})
     start = next(e for e in events if e["event"] == "start")
     peak = max(e["peak_mem_gb"] for e in events if e["event"] == "step")
+    print(f"planned {start['estimated_peak_gb']} GB, measured {peak} GB: {start['message'].split('; ')[-2]}")  # pytest -rP
     return start["estimated_peak_gb"], peak
 
 
