@@ -21,11 +21,15 @@ $(VENV)-sky/.installed: tests/requirements-skypilot.txt
 	$(VENV)-sky/bin/python -m pip install -q -r tests/requirements-skypilot.txt
 	touch $@
 
+# Two workers (tests/conftest.py gives each job one torch thread); the Slurm tests share one
+# cluster, so they run in one worker (xdist_group "slurm").
+PYTEST := $(PY) -m pytest -q -ra -n 2 --dist loadgroup
+
 test: setup
-	$(PY) -m pytest -q -ra
+	$(PYTEST)
 
 test-fast: setup
-	$(PY) -m pytest -q -ra -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: setup
 	$(PY) benchmarks/run_all.py

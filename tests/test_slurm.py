@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 
 from conftest import REPO, run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one cluster: one worker
 
 _spec = importlib.util.spec_from_file_location("slurm_cluster", REPO / "tests/slurm/cluster.py")
 cluster = importlib.util.module_from_spec(_spec)

@@ -14,7 +14,7 @@ from conftest import REPO, run_cli
 from test_distributed import history
 from test_slurm import adapter, in_queue, job_env, log_events, sbatch, slurm, wait_for  # noqa: F401  (slurm: the fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one cluster: one worker
 
 JOB = ["--steps", "300", "--batch", "2", "--max-seq", "96", "--ckpt-every", "25", "--lr", "1e-3", "--name", "mine-dp",
        "--engine", "torch-cpu"]

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, events_of, run_cli
 from test_slurm import in_queue, job_env, log_events, sbatch, slurm, wait_for  # noqa: F401  (slurm: the cluster fixture)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one cluster: one worker
 
 ROWS = 18
 SHARDS = 3
