@@ -28,6 +28,7 @@ from runtime.core.signals import Abandon
 from runtime.fileio import sha256_bytes
 from runtime.generation import Request
 from runtime.jobs import estimate, shards
+from runtime.jobs.sizing import plan_rows
 from runtime.models.ref import local_path, resolve_model
 from runtime.data.rows import Row, encode_rows, error_line, ok_line, parse_rows
 from runtime.state.store import check_output, open_store
@@ -140,13 +141,18 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     gen_tokens = sum(r.max_tokens for r in work.todo)
     est = estimate.generation_seconds(model_dir.config, sum(len(r.prompt_ids) for r in work.todo), gen_tokens, o["batch"])
     extra = {"shard": job.state.identity.get("shard"), "shards": job.state.identity.get("shards")} if job.root else {}
+    generating = work.todo and (o.get("stop_after") is None or work.done < o["stop_after"])
+    # The engine first, as a tune's: its dtype and what the process holds with torch imported
+    # size the memory plan. Importing torch is never abandoned midway, a stop waits for it.
+    engine = job.open_engine() if generating else None
+    plan = plan_rows(job.engine_name, engine, model_dir, work.todo, o["batch"]) if generating else None
     events.emit("start", step=len(work.lines), job=o["name"], model=a[task.model_arg],
                 placement=f"{job.engine_name}: {job.engine_reason}", state=state.uri, estimated_seconds=est, total=total, **extra,
+                estimated_peak_gb=plan and round(plan.peak_gb, 3), memory_plan=plan and plan.to_dict(),
                 message=f"{task.command} {a[task.model_arg]} on {a[task.input_arg]}{label}: {len(work.todo)} of {total} rows to generate "
                         f"({len(work.lines)} done or failed, up to {gen_tokens} new tokens) in batches of {o['batch']} "
-                        f"on {job.engine_name}; state at {state.uri}")
-    if work.todo and (o.get("stop_after") is None or work.done < o["stop_after"]):
-        engine = job.open_engine()  # imports torch: never abandoned mid-import, a stop waits for it
+                        f"on {job.engine_name}{'; ' + plan.describe() if plan else ''}; state at {state.uri}")
+    if generating:
         try:
             with job.preemption.setup():  # loading the model: a stop abandons it, nothing to save yet
                 work.start(engine, model_dir, tokenizer, adapter)

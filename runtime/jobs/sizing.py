@@ -1,13 +1,15 @@
-"""A tune's memory plan before any weight is loaded: the job's micro-batches from its batch
-order, the weights' size from the safetensors headers, the engine's dtype and the memory this
-machine (or --max-mem-gb) gives, handed to the framework-neutral planner (runtime.models.memory)."""
+"""Memory plans before any weight is loaded, handed to the framework-neutral planner
+(runtime.models.memory): a tune's from the job's micro-batches (its batch order), the weights'
+size from the safetensors headers, the engine's dtype and the memory this machine (or
+--max-mem-gb) gives; a row job's from its slots, its longest row and the same weights and dtype."""
 
 from __future__ import annotations
 
 import math
 
 from runtime.engines.hardware import memory_for
-from runtime.models.memory import CUDA_CONTEXT_GB, STEP_RUNTIME_GB, Batch, Plan, fit
+from runtime.models.memory import CUDA_CONTEXT_GB, GENERATION_RUNTIME_GB, STEP_RUNTIME_GB, Batch, GenerationPlan, Plan, fit, \
+    generation_plan
 from runtime.models.weights import tensor_shapes, weight_files
 
 
@@ -38,3 +40,15 @@ def plan_tune(engine_name: str, engine, model_dir, spec, data, order, total: int
     params = sum(math.prod(shape) for shape in tensor_shapes(weight_files(model_dir.path)).values())
     return fit(model_dir.config, spec.targets, spec.rank, dtype_bytes(engine), lambda m: job_batches(data, order, total, m),
                o["batch"], o["grad_accum"], mode, available, source, runtime_gb, params, o["max_seq"], spec.dropout > 0)
+
+
+def plan_rows(engine_name: str, engine, model_dir, todo, batch: int) -> GenerationPlan:
+    """The peak of generating `todo` (rows with prompt_ids and max_tokens) `batch` at a time, with
+    the engine open: what the process holds now (the framework imported) is measured, not guessed."""
+    _, _, held = memory_for(engine_name)
+    runtime_gb = 0.0 if engine_name == "torch-cuda" else held + GENERATION_RUNTIME_GB  # CUDA: the allocator's count only
+    params = sum(math.prod(shape) for shape in tensor_shapes(weight_files(model_dir.path)).values())
+    slots = min(batch, len(todo))
+    max_len = max(len(r.prompt_ids) + r.max_tokens for r in todo)
+    longest = max(len(r.prompt_ids) for r in todo)
+    return generation_plan(model_dir.config, dtype_bytes(engine), slots, max_len, longest, runtime_gb, params)

@@ -254,3 +254,76 @@ def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params
             return f"spillpack tune ... --max-seq {seq}"
     floor = estimate(config, targets, rank, act_bytes, Batch(1, 32, 16), True, runtime_gb, params, dropout).peak_gb
     return f"a machine with at least {floor:.1f} GB free (the weights alone need {last.estimate.weights_gb:.1f} GB), or a smaller model"
+
+
+# -- generation (run, eval, distill) ---------------------------------------------------------
+#
+# A row job's peak is what it holds before the model (the interpreter, the framework once
+# imported, the tokenizer and the rows: measured, not guessed, because the engine is open when
+# the plan is made), the base weights in the compute dtype, the KV cache the decoder
+# preallocates for every slot at the longest row, and the largest forward on top of them. On a
+# CPU the widest forward is a prefill: every slot starting at once, right-padded to one width
+# (the scheduler cuts a prefill group where padding passes a quarter of its tokens, so slots x
+# the longest prompt bounds it); a decode step is one token a slot.
+
+# What a host process adds at its first forward beyond the tensors counted (thread pools, the
+# kernels' code pages and workspaces), measured on torch-cpu float32 (tests/test_memory_run.py).
+GENERATION_RUNTIME_GB = 0.015
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    weights_gb: float
+    kv_cache_gb: float
+    activations_gb: float  # the widest forward's transient tensors and its logits
+    runtime_gb: float
+    slots: int
+    max_len: int  # tokens a slot holds: the longest prompt + its max_tokens
+    prefill: tuple[int, int]  # (rows, width) of the widest prefill counted
+
+    @property
+    def peak_gb(self) -> float:
+        return self.weights_gb + self.kv_cache_gb + self.activations_gb + self.runtime_gb
+
+    def describe(self) -> str:
+        return (f"about {self.peak_gb:.2f} GB at the peak: weights {self.weights_gb:.2f} GB, KV cache {self.kv_cache_gb:.2f} GB "
+                f"({self.slots} slots x {self.max_len} tokens), activations {self.activations_gb:.2f} GB, "
+                f"runtime {self.runtime_gb:.2f} GB")
+
+    def to_dict(self) -> dict:
+        return {"estimated_peak_gb": round(self.peak_gb, 3), "weights_gb": round(self.weights_gb, 3),
+                "kv_cache_gb": round(self.kv_cache_gb, 3), "activations_gb": round(self.activations_gb, 3),
+                "runtime_gb": round(self.runtime_gb, 3), "slots": self.slots, "max_len": self.max_len,
+                "prefill": list(self.prefill)}
+
+
+def kv_cache_bytes(config: dict, slots: int, max_len: int, act_bytes: int) -> int:
+    """Keys and values of every layer for `slots` rows of `max_len` tokens (the decoders' one cache)."""
+    a = _args(config)
+    return 2 * a.num_hidden_layers * slots * a.num_key_value_heads * max_len * a.head_dim * act_bytes
+
+
+def generation_plan(config: dict, act_bytes: int, slots: int, max_len: int, longest_prompt: int, runtime_gb: float,
+                    params: int | None = None) -> GenerationPlan:
+    """The predicted peak of generating with `slots` rows at once, each slot up to `max_len` tokens."""
+    a = _args(config)
+    weights = (params if params is not None else base_params(config)) * act_bytes
+    kv = kv_cache_bytes(config, slots, max_len, act_bytes)
+    d, hd = a.hidden_size, a.head_dim
+    q, kv_width = a.num_attention_heads * hd, a.num_key_value_heads * hd
+    tokens = slots * longest_prompt
+    # Alive at once in a layer, per token: the residual and its sum, the normed input, and the
+    # larger of attention (q/k/v, the rotated q and k, the output and its reshaped copy) and the
+    # MLP (the gate's activation, up and their product; the gate itself is freed once activated).
+    attention = q + 2 * kv_width + (q + kv_width) + 2 * q
+    mlp = 3 * _mlp_width(a)
+    per_token = (3 * d + max(attention, mlp)) * act_bytes
+    # The layer's keys and values gathered for the rows of a view (one layer's worth of the cache);
+    # a sliding window shorter than the prefill goes through an explicit mask, its scores kept.
+    gathered = kv // a.num_hidden_layers
+    windowed = any(a.window(i) is not None and a.window(i) < longest_prompt for i in range(a.num_hidden_layers))
+    scores = slots * a.num_attention_heads * longest_prompt * longest_prompt * (act_bytes + 1) if windowed else 0
+    # Logits: one row per slot, float32 for sampling (a copy when the base is not float32).
+    logits = slots * a.vocab_size * (4 + (act_bytes if act_bytes != 4 else 0))
+    activations = tokens * per_token + gathered + scores + logits
+    return GenerationPlan(weights / GB, kv / GB, activations / GB, runtime_gb, slots, max_len, (slots, longest_prompt))
