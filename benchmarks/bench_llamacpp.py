@@ -13,8 +13,7 @@ directory transformers saves from it (`from_pretrained(dir, gguf_file=...)`), th
 Both sides get the same rows (chat rows with one shared system prompt, up to --max-tokens new
 tokens each, greedy), as the same token ids (spillpack's own chat-template encoding, handed to
 llama.cpp as tokens), and the same thread count. Each side runs in its own process, one after
-the other; each process's peak RSS is sampled from /proc/PID/status (VmHWM) and taken again
-from wait4's ru_maxrss when it exits. Printed per run: generated tokens, tokens/s over the
+the other; each process's peak RSS is its VmHWM, sampled from /proc/PID/status until it exits. Printed per run: generated tokens, tokens/s over the
 generation (model loaded to last row), wall time including start-up (process start to exit),
 peak RSS, spillpack's planned peak (its start event), and the ratios to llama.cpp.
 
@@ -223,8 +222,9 @@ def _vm_kb(pid: int, key: str) -> int:
 
 
 def measured(cmd: list[str], env: dict, stdout=subprocess.PIPE) -> tuple[str, float, int]:
-    """(stdout, wall seconds, peak RSS bytes) of one child: VmHWM sampled every 10 ms, and the
-    kernel's ru_maxrss when it exits (the larger of the two; they agree but for the last moments)."""
+    """(stdout, wall seconds, peak RSS bytes) of one child: its VmHWM (the kernel's high-water
+    mark, monotone) sampled every 10 ms until it exits. Not wait4's ru_maxrss: Linux carries the
+    parent's high-water mark into a child across fork and exec, and this process may be large."""
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     peak = [0]
@@ -232,7 +232,7 @@ def measured(cmd: list[str], env: dict, stdout=subprocess.PIPE) -> tuple[str, fl
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], _vm_kb(proc.pid, "VmHWM"), _vm_kb(proc.pid, "VmRSS"))
+            peak[0] = max(peak[0], _vm_kb(proc.pid, "VmHWM"))
             time.sleep(0.01)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -242,15 +242,15 @@ def measured(cmd: list[str], env: dict, stdout=subprocess.PIPE) -> tuple[str, fl
                for s, b in ((proc.stdout, out_chunks), (proc.stderr, err_chunks)) if s is not None]
     for r in readers:
         r.start()
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc.wait()
     wall = time.monotonic() - t0
     done.set()
+    sampler.join()
     for r in readers:
         r.join()
-    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {proc.returncode}:\n{''.join(err_chunks)[-3000:]}")
-    return "".join(out_chunks), wall, max(peak[0], usage.ru_maxrss) * 1024
+    return "".join(out_chunks), wall, peak[0] * 1024
 
 
 def run_spillpack(model: Path, rows: Path, batch: int, threads: int, max_tokens: int, isa: str | None, tmp: Path,
