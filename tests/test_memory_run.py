@@ -19,7 +19,7 @@ import time
 import pytest
 
 from conftest import REPO
-from memory_shapes import make_shape
+from tests.support.memory_shapes import make_shape
 
 GB = 2**30
 
