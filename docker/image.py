@@ -171,8 +171,10 @@ def torch_request(flavor: str, deps: list[str]) -> tuple[list[str], list[str]]:
         raise Failure("pyproject.toml pins no torch version", "pin torch==X.Y.Z in pyproject.toml's dependencies")
     if flavor == "cpu":
         return [f"torch=={version}+cpu"], ["--extra-index-url", os.environ.get("TORCH_INDEX", TORCH_CPU_INDEX)]
+    # `===` is string equality: the CUDA build (PyPI's plain version), never a +cpu build that a
+    # find-links folder or another index offers under the same version.
     index = os.environ.get("TORCH_INDEX")
-    return [f"torch=={version}"], (["--extra-index-url", index] if index else [])
+    return [f"torch==={version}"], (["--extra-index-url", index] if index else [])
 
 
 def fetch_wheelhouse(flavor: str, python: str, tags: list[str], app: Path) -> Path:
@@ -290,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(Failure(f"make image failed: {e}", "make image again; docs/containers.md"), file=sys.stderr)
         return 1
-    say(f"built {tag} ({image_id.split(":")[-1][:12]}) from {base}, Python {python}, wheelhouse {wheelhouse}")
+    short = image_id.split(":")[-1][:12]
+    say(f"built {tag} ({short}) from {base}, Python {python}, wheelhouse {wheelhouse}")
     return 0
 
 
