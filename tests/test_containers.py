@@ -280,3 +280,68 @@ def test_make_image_on_a_full_disk_is_one_line_and_tags_nothing(base, tmp_path):
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("spillpack: the disk is full") and "Try: free space there" in line, r.stderr
     assert ct.image_id(tag) is None
+
+
+# --- the Kubernetes CPU template, played by podman -----------------------------------------------
+
+def as_played_pod(job: dict, env: dict) -> dict:
+    """The Job's pod template as a Pod (podman 4.3 plays no `kind: Job`), with what a play needs and
+    a cluster would not: restartPolicy OnFailure (podman restarts the container on exit 75, as the
+    Job's podFailurePolicy makes a new pod), the host's network (the S3 server is on its loopback),
+    and the Secret's values written in (podman's secrets do not take a Kubernetes Secret here).
+    Everything else is the template as written: image, entrypoint, env, resources, the PVC at /data."""
+    spec = json.loads(json.dumps(job["spec"]["template"]["spec"]))
+    spec["restartPolicy"] = "OnFailure"
+    spec["hostNetwork"] = True
+    (c,) = spec["containers"]
+    c["env"] = [e for e in c["env"] if "valueFrom" not in e] + [{"name": k, "value": v} for k, v in env.items()]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": job["metadata"]["name"]}, "spec": spec}
+
+
+@pytest.mark.slow
+def test_kubernetes_cpu_template_played_preempted_once_and_finishing(image, phome, s3, s3_uri, tmp_path):
+    import yaml
+
+    ref = f"localhost/spillpack-kp-{uuid.uuid4().hex[:8]}"
+    bundle = tmp_path / "kp"
+    r = run_cli(["pack", *[str(DATA / "train.jsonl") if a == "/in/train.jsonl" else a for a in TUNE[:3]], "--name", "kp",
+                 "--steps", "40", "--batch", "4", "--ckpt-every", "5", "--engine", "torch-cpu", "--state", s3_uri + "/state",
+                 "-o", str(bundle), "--scheduler", "kubernetes", "--image", ref])
+    assert r.returncode == 0, r.stderr
+    assert "FROM ${SPILLPACK_IMAGE}:${FLAVOR}" in (bundle / "Containerfile").read_text()
+    job = yaml.safe_load((tmp_path / "kp.k8s-cpu.yaml").read_text())
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == f"{ref}:cpu"
+    # The bundle's image, as the file's own comment says to build it (on the local spillpack image).
+    ct.podman("build", "-t", f"{ref}:cpu", "--build-arg", "FLAVOR=cpu", "--build-arg", "SPILLPACK_IMAGE=localhost/spillpack",
+              str(bundle))
+    env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")}
+    pod = as_played_pod(job, {**env, **THREADS})
+    play = tmp_path / "play.yaml"
+    play.write_text((tmp_path / "kp.k8s-pvc.yaml").read_text() + "\n---\n" + yaml.safe_dump(pod))
+    name = f"{pod['metadata']['name']}-spillpack"
+    ct.podman("kube", "play", str(play))
+    try:
+        t0 = time.monotonic()
+        while ct.podman("logs", name, check=False).stdout.count('"event":"step"') < 6:
+            assert time.monotonic() - t0 < 300, ct.podman("logs", name, check=False).stderr[-3000:]
+            time.sleep(0.5)
+        pid = int(ct.podman("inspect", "--format", "{{.State.Pid}}", name).stdout)
+        os.kill(pid, 15)  # what the kubelet's SIGTERM is: to the container's PID 1, spillpack itself
+        while True:
+            status, code, restarts = ct.podman("inspect", "--format", "{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}",
+                                               name).stdout.split()
+            if status == "exited" and int(restarts) >= 1:
+                break
+            assert time.monotonic() - t0 < 600, (status, code, restarts)
+            time.sleep(1)
+        assert (int(code), int(restarts)) == (0, 1)
+        events = [json.loads(l) for l in ct.podman("logs", name).stdout.splitlines() if l.startswith("{")]
+    finally:
+        ct.podman("kube", "down", str(play), check=False)
+        ct.podman("volume", "rm", "-f", "spillpack-kp", check=False)
+        ct.podman("rmi", "-f", f"{ref}:cpu", check=False)
+    kinds = [e["event"] for e in events]
+    assert kinds.count("preempted") == 1 and kinds.count("restore") == 1, kinds
+    stopped = next(e for e in events if e["event"] == "preempted")["step"]
+    assert next(e for e in events if e["event"] == "restore")["step"] == stopped
+    assert events[-1]["event"] == "done" and events[-1]["complete"] and events[-1]["steps"] == 40
