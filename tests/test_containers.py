@@ -79,7 +79,9 @@ def volume(engine):
 def container(image, *command, **kwargs):
     from testcontainers.core.container import DockerContainer
 
-    c = DockerContainer(image).with_command(list(command)).with_volume_mapping(str(DATA), "/in", "ro")
+    # A long API timeout: on a loaded 2-core machine podman's service can take over a minute to answer.
+    c = (DockerContainer(image, docker_client_kw={"timeout": 600}).with_command(list(command))
+         .with_volume_mapping(str(DATA), "/in", "ro"))
     for k, v in THREADS.items():
         c = c.with_env(k, v)
     return c.with_kwargs(**kwargs) if kwargs else c
