@@ -134,11 +134,15 @@ def build_app_wheel(dest: Path) -> Path:
     for old in dest.glob("*.whl"):
         old.unlink()
     env = {**os.environ, "SOURCE_DATE_EPOCH": "315532800"}
-    try:  # present: build with them here, offline; absent: pip fetches setuptools for the build
-        import setuptools  # noqa: F401
-        import wheel  # noqa: F401
+    # A setuptools that builds wheels by itself (70.1+, or any with the wheel package) builds here,
+    # offline and in seconds; otherwise pip fetches one for the build.
+    try:
+        import setuptools
+        major, minor = (int(x) for x in setuptools.__version__.split(".")[:2])
+        if (major, minor) < (70, 1):
+            import wheel  # noqa: F401
         isolation = ["--no-build-isolation"]
-    except ImportError:
+    except (ImportError, ValueError):
         isolation = []
     with tempfile.TemporaryDirectory(prefix="spillpack-src-") as src:
         # A copy of the sources only, so the build leaves nothing in the tree (setuptools' build/, egg-info).
