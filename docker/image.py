@@ -73,8 +73,9 @@ def find_engine(asked: str | None) -> str:
             return path
         if asked or name == "docker":
             last = (r.stderr.strip().splitlines() or ["no answer"])[-1]
-            raise Failure(f"the container engine {name} on PATH does not work here ({last})",
-                          f"{name} info (docs/containers.md: podman on Debian needs CONTAINERS_CONF=docker/containers.conf)")
+            fix = ("start the docker daemon (docker info says when it answers), or install podman" if name == "docker" else
+                   f"{name} info (docs/containers.md: podman on Debian 12 needs CONTAINERS_CONF=docker/containers.conf)")
+            raise Failure(f"the container engine {name} on PATH does not work here ({last})", fix)
     raise Failure("no container engine on PATH (podman or docker; CONTAINER_ENGINE names another)",
                   "apt-get install podman runc (or install docker), then make image")
 
@@ -271,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheelhouse", default="", help="a wheelhouse fetched elsewhere (nothing is downloaded)")
     ap.add_argument("--engine", default=os.environ.get("CONTAINER_ENGINE") or None)
     ap.add_argument("--context", default=str(REPO / "build" / "image"))
+    def usage(message: str):  # one line, exit 2, as every spillpack usage error
+        print(f"spillpack: make image: {message}. Try: make image FLAVOR=cpu|cuda [BASE=IMAGE] [WHEELHOUSE=DIR]", file=sys.stderr)
+        sys.exit(2)
+
+    ap.error = usage
     a = ap.parse_args(argv)
     base, tag = a.base or DEFAULT_BASE, a.tag or f"spillpack:{a.flavor}"
     try:
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            print(disk_full(str(e.filename or "writing the build context")), file=sys.stderr)
+            print(disk_full(f"writing {e.filename2 or e.filename or 'the build context'}"), file=sys.stderr)
             return 1
         print(Failure(f"make image failed: {e}", "make image again; docs/containers.md"), file=sys.stderr)
         return 1

@@ -264,8 +264,8 @@ def test_make_image_with_a_base_that_cannot_be_found_tags_nothing(engine):
     assert ct.image_id(tag) is None
 
 
-def test_make_image_on_a_full_disk_is_one_line_and_tags_nothing(base, tmp_path):
-    """The wheelhouse downloads into a 4 MB tmpfs: pip meets ENOSPC, the build never starts."""
+def test_make_image_on_a_full_disk_is_one_line_and_tags_nothing(image, base, tmp_path):
+    """The build context on a 4 MB tmpfs: staging the (cached) wheelhouse meets ENOSPC, the build never starts."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root")
     small = tmp_path / "small"
@@ -273,13 +273,12 @@ def test_make_image_on_a_full_disk_is_one_line_and_tags_nothing(base, tmp_path):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
     tag = f"localhost/spillpack-test-{uuid.uuid4().hex[:8]}:cpu"
     try:
-        r = subprocess.run([shutil.which("python3"), str(REPO / "docker" / "image.py"), "--base", base, "--tag", tag,
-                            "--context", str(tmp_path / "ctx")], capture_output=True, text=True,
-                           env={**ct.engine_env(), "XDG_CACHE_HOME": str(small)}, timeout=900)
+        r = subprocess.run([sys.executable, str(REPO / "docker" / "image.py"), "--base", base, "--tag", tag,
+                            "--context", str(small)], capture_output=True, text=True, env=ct.engine_env(), timeout=900)
     finally:
         subprocess.run(["umount", str(small)], check=True)
     assert r.returncode == 1, r.stderr
-    line = r.stderr.strip().splitlines()[-1]
+    (line,) = r.stderr.strip().splitlines()
     assert line.startswith("spillpack: the disk is full") and "Try: free space there" in line, r.stderr
     assert ct.image_id(tag) is None
 
