@@ -193,6 +193,52 @@ def test_sigterm_mid_tune_exits_75_and_resumes_bit_identical_to_the_host(docker_
     assert losses(state) == losses(host_reference)
 
 
+PS = ("import os\n"
+      "for pid in sorted(int(p) for p in os.listdir('/proc') if p.isdigit()):\n"
+      "    try:\n"
+      "        stat = open(f'/proc/{pid}/stat').read()\n"
+      "    except OSError:\n"
+      "        continue\n"
+      "    rest = stat[stat.rindex(')') + 2:].split()\n"
+      "    print(pid, rest[1], rest[0], stat[stat.index('(') + 1:stat.rindex(')')])\n")
+
+
+@pytest.mark.slow
+def test_nproc_in_a_container_stops_every_worker_and_reaps_them(docker_host, image, volume):
+    """--nproc 2: spillpack (PID 1) runs torch's elastic agent and two ranks; SIGTERM from `stop`
+    stops both ranks at one step, exit 75, with no zombie along the way; the job resumes at one rank."""
+    c = container(image, *TUNE, "--nproc", "2").with_volume_mapping(volume, "/data", "rw")
+    c.start()
+    try:
+        t0 = time.monotonic()
+        while stdout_of(c).count('"event":"step"') < 5:
+            c.reload()
+            assert time.monotonic() - t0 < 400 and c.status != "exited", stdout_of(c) + c.get_logs()[1].decode()
+            time.sleep(0.5)
+        code, out = c.exec(["python3", "-c", PS])
+        procs = [line.split(None, 3) for line in out.decode().splitlines()]
+        assert code == 0 and len(procs) >= 4, procs  # PID 1, two ranks, the exec'd python3
+        assert not [p for p in procs if p[2] == "Z"], procs  # nothing left unreaped
+        ranks = [p for p in procs if p[1] == "1"]  # the elastic agent's workers: children of PID 1
+        assert len(ranks) == 2, procs
+        c.get_wrapped_container().stop(timeout=30)
+        assert wait_exit(c) == 75, c.get_logs()[1].decode()
+        first = ct.json_lines(stdout_of(c))
+    finally:
+        c.stop()
+    pre = [e for e in first if e["event"] == "preempted"]
+    assert len(pre) == 1, first[-3:]
+    again = container(image, *TUNE).with_volume_mapping(volume, "/data", "rw")
+    again.start()
+    try:
+        assert wait_exit(again) == 0, again.get_logs()[1].decode()
+        second = ct.json_lines(stdout_of(again))
+    finally:
+        again.stop()
+    assert [e["step"] for e in second if e["event"] == "restore"] == [pre[0]["step"]]
+    assert second[-1]["event"] == "done" and second[-1]["steps"] == 30
+
+
 def test_doctor_and_a_tune_as_an_arbitrary_uid_on_a_read_only_root(docker_host, image, volume):
     """OpenShift's way: a random UID in group 0, the root filesystem read-only, /tmp a tmpfs."""
     kw = dict(user="4242:0", read_only=True)
