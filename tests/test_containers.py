@@ -21,7 +21,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import REPO, events_of, run_cli
-from tests.s3_fixtures import s3, s3_uri  # noqa: F401  (pytest fixtures)
+from tests.support.s3_fixtures import s3, s3_uri  # noqa: F401  (pytest fixtures)
 from tests.support import containers as ct
 
 pytestmark = [pytest.mark.xdist_group("containers")]
