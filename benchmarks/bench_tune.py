@@ -161,12 +161,19 @@ def main():
     ap.add_argument("--long-batch", type=int, default=8)
     ap.add_argument("--long-accum", type=int, default=4)
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "spillpack-bench"))
+    ap.add_argument("--side", choices=["both", "spillpack", "peer"], default="both",
+                    help="one side only (benchmarks/compare.py runs the spillpack side on two trees)")
+    ap.add_argument("--json", action="store_true", help="one JSON line per side instead of the text report")
     a = ap.parse_args()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     model = make_model(a.shape, work / a.shape)
     data = work / f"data-{a.words}.jsonl"
     make_data(data, 256, a.words)
+    if a.side != "both":
+        r = spillpack_side(model, data, a) if a.side == "spillpack" else peer_side(model, data, a)
+        print(json.dumps({"side": a.side, **r}) if a.json else r, flush=True)
+        return
     print(f"shape {a.shape}, batch {a.batch}, rank {a.rank}, targets {a.targets}, {a.steps} timed steps each", flush=True)
     ours = spillpack_side(model, data, a)
     print(f"spillpack tune:        {ours['tokens_per_s']:9.1f} tokens/s  peak RSS {ours['peak_rss_gb']:.2f} GB  "
