@@ -52,7 +52,7 @@ def last_json(out: str) -> dict:
 
 def machine() -> str:
     sys.path.insert(0, str(REPO))
-    from runtime.core.place import cpu_model
+    from runtime.base.place import cpu_model
 
     try:
         flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())

@@ -96,7 +96,7 @@ def choose(allotted: int, environ=os.environ, idle: float | None = None) -> Thre
 
 
 def _positive(value: str, name: str) -> int:
-    from runtime.errors import SpillpackError
+    from runtime.base.errors import SpillpackError
 
     try:
         n = int(value)
