@@ -77,6 +77,9 @@ def one(kind: str, model: str, data: Path, a, env: dict) -> dict:
 
 
 def main() -> int:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped benchmark still kills its busy loop (finally)
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--rows", type=int, default=32)
