@@ -179,17 +179,20 @@ def engine_rate(name: str) -> dict:
     return rate
 
 
-def return_freed_memory(threshold: int = 32 << 20) -> None:
-    """Fix glibc's mmap threshold at `threshold` bytes and hand back what its heap holds free.
-    Left alone, glibc raises the threshold to the size of the last freed block, so a step's
-    activations land on the heap and stay resident after they are freed: measured on a 100M model
-    at 4 x 1018 tokens, the resident peak was 3.1 GB with checkpointing where the tensors alive
-    never exceeded 1.9 GB; and a tune's memory plan counts the process's resident memory, so the
-    rate measurement's freed buffers (about 70 MB) made the first job on a machine plan with less
-    memory than every later one. Not lower than 32 MB (glibc's own ceiling for that raise): at
-    1 MB every activation of a step was a fresh mapping, faulted in and zeroed page by page,
-    1.7 million page faults and 16% of a step's CPU time on the Qwen2.5-0.5B shape at 4 x 256
-    tokens (benchmarks/compare.py, README). Elsewhere (macOS, musl) a no-op."""
+def return_freed_memory(threshold: int = 1 << 20) -> None:
+    """Have glibc give blocks of `threshold` bytes or more their own mappings, returned to the
+    system when freed, and hand back what its heap already holds free. By default glibc raises
+    that threshold to the size of the last freed block (up to 32 MB), so a step's activations
+    land on the heap and stay resident after they are freed: measured on a 100M model at
+    4 x 1018 tokens, the resident peak was 3.1 GB with checkpointing where the tensors alive never
+    exceeded 1.9 GB; and a tune's memory plan counts the process's resident memory, so the rate
+    measurement's freed buffers (about 70 MB) made the first job on a machine plan with less
+    memory than every later one. The price is time: every activation from 1 MB up is a fresh
+    mapping, faulted in and zeroed page by page (on the Qwen2.5-0.5B shape at 4 x 256 tokens, 1.7
+    million page faults and 16% of a step's CPU in the kernel; at 32 MB, 3% in the kernel, 5-6%
+    less CPU per step at 4 x 110 tokens, but +0.29 GB of peak RSS there and the planner 11-14% under
+    the measured peaks on tiny's long rows: README, "Performance on a CPU"). Elsewhere (macOS,
+    musl) a no-op."""
     if platform.system() != "Linux":
         return
     import ctypes
