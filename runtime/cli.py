@@ -23,6 +23,7 @@ from runtime.errors import EXIT_PREEMPTED, SpillpackError, UsageError, from_os_e
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {
     "doctor": ("runtime.commands.doctor", "this machine: Python, engines, memory, disk"),
+    "export": ("runtime.commands.export", "a tune's result as GGUF: the merged model (llama.cpp, Ollama) or the LoRA adapter"),
     "resume": ("runtime.commands.resume", "continue an interrupted job from its state, bundle or config"),
     "status": ("runtime.commands.status", "the story of a job from its state: processes, checkpoints, interruptions"),
 }
