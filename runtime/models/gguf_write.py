@@ -68,12 +68,19 @@ def gguf_arch(config: dict) -> str:
     if config.get("use_sliding_window") or (model_type == "llama" and config.get("sliding_window")):
         raise SpillpackError(f"GGUF export of a {model_type} model with sliding-window layers is not supported "
                              "(llama.cpp's architecture has none)", "tune --merge for a Hugging Face directory instead")
-    scaling = config.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_scaling(config).get("rope_type")
     if kind not in (None, "default", "linear"):
         raise SpillpackError(f"GGUF export of {kind!r} rope scaling is not supported (only none and linear)",
                              "tune --merge for a Hugging Face directory instead")
     return ARCHITECTURES[model_type]
+
+
+def rope_scaling(config: dict) -> dict:
+    """The rope scaling, from the older `rope_scaling` or transformers 5's `rope_parameters`."""
+    scaling = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling["type"]
+    return scaling
 
 
 def head_dim(config: dict) -> int:
@@ -138,8 +145,8 @@ def _add_hyperparameters(writer, arch: str, config: dict) -> None:
         writer.add_key_length(head_dim(config))
         writer.add_value_length(head_dim(config))
     writer.add_vocab_size(config["vocab_size"])
-    scaling = config.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type")) == "linear":
+    scaling = rope_scaling(config)
+    if scaling.get("rope_type") == "linear":
         gguf = _gguf()
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
