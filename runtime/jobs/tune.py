@@ -279,6 +279,11 @@ def write_merged(dest: Path, session, model_dir, weights: dict | None = None) ->
     if model_dir.config.get("tie_word_embeddings"):
         weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
     st_save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    if model_dir.is_gguf:  # its config and tokenizer written out as a Hugging Face directory's files
+        from runtime.models.gguf.model import hf_files
+
+        for name, data in hf_files(model_dir.path).items():
+            (dest / name).write_bytes(data)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
         if (model_dir.path / name).exists():
             shutil.copyfile(model_dir.path / name, dest / name)

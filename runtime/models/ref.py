@@ -10,6 +10,7 @@ from pathlib import Path
 from runtime.errors import SpillpackError
 from runtime.paths import spillpack_home
 from runtime.models.arch import architecture
+from runtime.models.gguf.model import find_gguf
 from runtime.models.weights import read_safetensors_header, weight_files
 from runtime.state.store import local_file
 
@@ -59,12 +60,22 @@ class ModelDir:
     config: dict = field(hash=False, compare=False)
     arch: str
 
+    @property
+    def is_gguf(self) -> bool:
+        """A GGUF file (path is the file): config, tokenizer and weights all come from it."""
+        return self.path.suffix.lower() == ".gguf"
+
     def fingerprint(self) -> str:
-        """sha256 over config.json and each safetensors file's name, size and header.
+        """sha256 over config.json and each safetensors file's name, size and header (a GGUF:
+        over its header and size).
 
         Reads a few KB per file, never the tensors, so it is cheap enough to call on every
         start; a state written for other weights is then told apart from this one.
         """
+        if self.is_gguf:
+            from runtime.models.gguf.model import fingerprint
+
+            return fingerprint(self.path)
         h = hashlib.sha256()
         h.update((self.path / "config.json").read_bytes())
         for f in sorted(self.path.glob("*.safetensors")):
@@ -96,6 +107,8 @@ def resolve_model(ref: str, weights: str | None = None) -> ModelDir:
     if ref in TAGS:
         return validate(find_tag(ref, weights), TAGS[ref])
     path = local_path(ref)
+    if (gguf := find_gguf(path)) is not None:
+        return validate_gguf(gguf)
     if path.is_dir():
         return validate(path)
     check_tag(ref)
@@ -132,6 +145,8 @@ def find_tag(tag: str, weights: str | None) -> Path:
     looked = []
     if weights is not None:
         path = local_path(weights)
+        if (gguf := find_gguf(path)) is not None:
+            return gguf
         if path.is_dir():
             return path
         looked.append(f"--weights {weights}")
@@ -150,8 +165,23 @@ def tag_dirname(tag: str) -> str:
     return tag.replace(":", "-")
 
 
+def validate_gguf(path: Path, tag: Tag | None = None) -> ModelDir:
+    """Check a GGUF file is a loadable model (header, architecture, tensor types, tokenizer)."""
+    from runtime.models.gguf.model import check
+
+    config = check(path)
+    arch = architecture(config, str(path)).model_type
+    # A GGUF holds Gemma 3's language model only, whichever size the tag names.
+    if tag is not None and arch != tag.arch and {arch, tag.arch} != {"gemma3", "gemma3_text"}:
+        raise SpillpackError(f"{path} holds a {arch} model, but the tag expects {tag.arch!r}",
+                             f"--weights pointing at a GGUF of {tag.hf_repo}")
+    return ModelDir(path=path.resolve(), config=config, arch=arch)
+
+
 def validate(path: Path, tag: Tag | None = None) -> ModelDir:
     """Check a directory is a loadable HF model; each failure names the file at fault."""
+    if (gguf := find_gguf(path)) is not None:
+        return validate_gguf(gguf, tag)
     config_file = path / "config.json"
     if not config_file.exists():
         raise SpillpackError(f"no config.json in {path}", "a Hugging Face model directory as the job's MODEL or --weights")
