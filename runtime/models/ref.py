@@ -9,6 +9,7 @@ from pathlib import Path
 
 from runtime.errors import SpillpackError
 from runtime.paths import spillpack_home
+from runtime.models import ollama
 from runtime.models.arch import architecture
 from runtime.models.gguf.model import find_gguf
 from runtime.models.weights import read_safetensors_header, weight_files
@@ -62,8 +63,8 @@ class ModelDir:
 
     @property
     def is_gguf(self) -> bool:
-        """A GGUF file (path is the file): config, tokenizer and weights all come from it."""
-        return self.path.suffix.lower() == ".gguf"
+        """A GGUF file (path is the file; an Ollama blob has no .gguf suffix): config, tokenizer and weights all come from it."""
+        return self.path.is_file()
 
     def fingerprint(self) -> str:
         """sha256 over config.json and each safetensors file's name, size and header (a GGUF:
@@ -111,6 +112,11 @@ def resolve_model(ref: str, weights: str | None = None) -> ModelDir:
         return validate_gguf(gguf)
     if path.is_dir():
         return validate(path)
+    if ollama.parse_name(ref) is not None:  # a name Ollama knows: its GGUF from --weights (as --emit-config pins it) or the store
+        if weights is not None and (gguf := find_gguf(local_path(weights))) is not None:
+            return validate_gguf(gguf)
+        if (found := ollama.find(ref)) is not None:
+            return validate_gguf(found.blob)
     check_tag(ref)
     raise SpillpackError(
         f"model {ref!r} is neither a known tag nor a local model directory",
@@ -126,10 +132,29 @@ def looks_like_tag(ref: str) -> bool:
 
 
 def check_tag(ref: str) -> None:
-    """Refuse a reference written like a tag (name:size) that is not a known one."""
-    if looks_like_tag(ref) and ref not in TAGS:
+    """Refuse a reference written like a tag (name:size) that is not a known one nor in the local Ollama store."""
+    if looks_like_tag(ref) and ref not in TAGS and ollama.find(ref, verify=False) is None:
         known = ", ".join(["tiny", *TAGS])
-        raise SpillpackError(f"unknown model tag {ref!r} (known: {known})", "tiny, or a Hugging Face model directory, as the job's MODEL (spillpack models lists the tags)")
+        raise SpillpackError(f"unknown model tag {ref!r} (known: {known}; not in the Ollama store at {ollama.store_root()} either)",
+                             "tiny, or a Hugging Face model directory, as the job's MODEL (spillpack models lists the tags)")
+
+
+def store_weights(arguments: dict, options: dict) -> tuple[str, str, "ollama.StoreModel"] | None:
+    """(option, tag, store model) when the job's model is a tag that only the local Ollama store
+    holds here (no --weights, no SPILLPACK_HOME/models copy): the blob is verified, and
+    --emit-config and pack pin it as the job's --weights."""
+    if options.get("weights"):
+        return None
+    for key in MODEL_KEYS:
+        ref = arguments.get(key, options.get(key))
+        if not isinstance(ref, str) or ref == "tiny" or ollama.parse_name(ref) is None or Path(ref).expanduser().exists():
+            continue
+        if ref in TAGS and (spillpack_home() / "models" / tag_dirname(ref)).is_dir():
+            continue
+        found = ollama.find(ref)
+        if found is not None:
+            return key, ref, found
+    return None
 
 
 def check_model_tags(*sections: dict) -> None:
@@ -154,8 +179,11 @@ def find_tag(tag: str, weights: str | None) -> Path:
     if home.is_dir():
         return home
     looked.append(str(home))
+    if (found := ollama.find(tag)) is not None:
+        return found.blob
+    looked.append(f"the Ollama store at {ollama.store_root()}")
     raise SpillpackError(
-        f"no weights for {tag} (looked in {' and '.join(looked)}); download {TAGS[tag].hf_repo} first",
+        f"no weights for {tag} (looked in {', '.join(looked[:-1])} and {looked[-1]}); download {TAGS[tag].hf_repo} first",
         f"MODEL {tag} with --weights /path/to/{tag_dirname(tag)}",
     )
 

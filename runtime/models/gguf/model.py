@@ -14,7 +14,17 @@ from runtime.models.gguf.reader import GGUFFile, read_gguf
 
 
 def is_gguf(path) -> bool:
-    return Path(path).suffix.lower() == SUFFIX and Path(path).is_file()
+    """A .gguf file, or a file that starts with GGUF's magic (an Ollama blob is named by its digest)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == SUFFIX:
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def find_gguf(path: Path) -> Path | None:
