@@ -207,6 +207,21 @@ def _add_tokenizer(writer, model_dir: Path, vocab_size: int) -> None:
     special.add_to_gguf(writer, quiet=True)
 
 
+def _copy_tokenizer(writer, source: Path) -> None:
+    """A GGUF base's own tokenizer.* keys (model, pre, tokens, types, merges, special ids, chat
+    template), copied as they are: the merged model tokenizes exactly as its base did."""
+    gguf = _gguf()
+    V = gguf.GGUFValueType
+    for name, f in gguf.GGUFReader(source).fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        kind = f.types[0]
+        if kind == V.ARRAY:
+            writer.add_key_value(name, f.contents(), V.ARRAY, sub_type=f.types[-1])
+        else:
+            writer.add_key_value(name, f.contents(), kind)
+
+
 def _write(path: Path, arch: str, fill) -> None:
     """A GGUF file written whole or not at all: into a temporary file beside `path`, renamed over it."""
     gguf = _gguf()
@@ -234,7 +249,8 @@ def _write(path: Path, arch: str, fill) -> None:
 def write_model(path: Path, weights: dict[str, np.ndarray], config: dict, model_dir: Path, kind: str = "f16",
                 name: str | None = None) -> dict:
     """The merged model (Hugging Face names, float32) as one GGUF file; returns what was written
-    (architecture, type, tensor count)."""
+    (architecture, type, tensor count). `model_dir`: the base's Hugging Face directory (its
+    tokenizer.json and tokenizer_config.json), or the base GGUF itself (its tokenizer keys are copied)."""
     check_type(kind)
     gguf = _gguf()
     arch = gguf_arch(config)
@@ -256,7 +272,10 @@ def write_model(path: Path, weights: dict[str, np.ndarray], config: dict, model_
         writer.add_file_type(FILE_TYPE[kind])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _add_hyperparameters(writer, arch, config)
-        _add_tokenizer(writer, Path(model_dir), config["vocab_size"])
+        if Path(model_dir).is_file():  # a GGUF base (a .gguf, an Ollama blob)
+            _copy_tokenizer(writer, Path(model_dir))
+        else:
+            _add_tokenizer(writer, Path(model_dir), config["vocab_size"])
         for gguf_name, w in tensors:
             qtype, data = tensor_type(gguf_name, w, kind)
             writer.add_tensor(gguf_name, data, raw_dtype=qtype)
