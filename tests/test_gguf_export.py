@@ -286,3 +286,35 @@ def test_real_smollm2_merged_and_adapter_gguf(tmp_path, home):
         assert from_gguf.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False).ids, text
     fields = {k: v.contents() for k, v in gguf.GGUFReader(out).fields.items()}
     assert fields["tokenizer.chat_template"] == (hf / "chat_template.jinja").read_text()
+
+
+def test_tune_refuses_a_gguf_it_could_not_write_before_training(tmp_path, home):
+    path, _ = make_family("phi3", tmp_path / "phi3")
+    state = tmp_path / "state"
+    p = run_cli(["tune", str(path), "examples/data/train.jsonl", "--steps", "2", "--state", str(state), "--gguf", str(tmp_path / "p.gguf")])
+    assert p.returncode == 1 and "GGUF export of model_type 'phi3' is not supported" in p.stderr
+    assert p.stderr.strip().count("\n") == 0 and not state.exists() and not (tmp_path / "p.gguf").exists()
+
+
+@pytest.mark.slow
+def test_export_of_an_unfinished_tune_takes_its_newest_checkpoint(tmp_path, home):
+    from safetensors.numpy import load as st_load
+
+    from runtime.state.jobstate import JobState
+    from runtime.state.store import open_store
+
+    state = tmp_path / "state"
+    p = run_cli(["tune", "tiny", "examples/data/train.jsonl", "--steps", "6", "--lr", "1e-2", "--ckpt-every", "2",
+                 "--stop-after", "3", "--state", str(state)])
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "a.gguf"
+    p = run_cli(["export", str(state), "--gguf-adapter", str(out)], env={"SPILLPACK_HEADLESS": "0"})
+    assert p.returncode == 0, p.stderr
+    js = JobState(open_store(str(state)), {})
+    step = js.latest_checkpoint().step
+    assert step in (2, 3) and f"(step {step}: the tune has not finished)" in p.stderr and "llama-server -m BASE.gguf --lora" in p.stdout
+    ckpt = {k.removeprefix("adapter."): v for k, v in st_load(js.read_file(js.latest_checkpoint(), "state.safetensors")).items()
+            if k.startswith("adapter.")}
+    got = {t.name: np.array(t.data) for t in gguf.GGUFReader(out).tensors}
+    a = ckpt["model.layers.1.self_attn.v_proj.lora_A.weight"]
+    assert np.array_equal(got["blk.1.attn_v.weight.lora_a"], a) and np.abs(ckpt["model.layers.1.self_attn.v_proj.lora_B.weight"]).max() > 0

@@ -222,3 +222,37 @@ def test_a_store_tag_runs_end_to_end_from_a_bundle(store, tmp_path, phome):
     answer = json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])["response"]["body"]["choices"][0]["message"]["content"]
     print(f"smollm2:135m from the bundle: {answer!r}")
     assert "Paris" in answer
+
+
+@pytest.mark.slow
+def test_tune_on_a_store_tag_exports_gguf_that_transformers_reads(store, tmp_path):
+    """End to end on the real model from the store: tune smollm2:135m with --merge --gguf, then
+    `export` its state: the GGUF (f32) reads back in transformers with the merged model's logits,
+    the tokenizer keys are the base GGUF's own, and the adapter GGUF holds the PEFT adapter."""
+    import gguf
+    import numpy as np
+    import torch
+    import transformers
+
+    from test_gguf_export import adapter_check
+
+    state, tuned = tmp_path / "state", tmp_path / "tuned.gguf"
+    p = run_cli(["tune", "smollm2:135m", "examples/data/train.jsonl", "--steps", "2", "--batch", "2", "--max-seq", "96",
+                 "--lr", "1e-3", "--state", str(state), "--merge", "--gguf", str(tuned), "--gguf-type", "f32"], timeout=1200)
+    assert p.returncode == 0, p.stderr
+    merged = state / "adapter" / "merged"
+    adapter = tmp_path / "adapter.gguf"
+    p = run_cli(["export", str(state), "--gguf-adapter", str(adapter)], timeout=600)
+    assert p.returncode == 0, p.stderr
+    ids = torch.tensor(np.random.default_rng(2).integers(0, 49152, size=(1, 24)))
+    with torch.no_grad():
+        exact = transformers.AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32)(ids).logits
+        got = transformers.AutoModelForCausalLM.from_pretrained(str(tuned.parent), gguf_file=tuned.name, dtype=torch.float32)(ids).logits
+    diff = (got - exact).abs().max().item()
+    print(f"smollm2:135m tuned 2 steps, tune --gguf f32 against the merged safetensors model: max |logit diff| {diff:.2e}")
+    assert diff < 1e-4
+    base = {k: v.contents() for k, v in gguf.GGUFReader(smollm2_gguf()).fields.items() if k.startswith("tokenizer.")}
+    ours = {k: v.contents() for k, v in gguf.GGUFReader(tuned).fields.items() if k.startswith("tokenizer.")}
+    assert ours == base and ours["tokenizer.ggml.pre"] == "smollm"
+    config = json.loads((merged / "config.json").read_text())
+    assert adapter_check(state / "adapter", adapter, config) == 60  # q and k of 30 layers: B permuted for llama.cpp
