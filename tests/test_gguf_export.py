@@ -8,6 +8,7 @@ model with each tensor rounded as the type rounds it (the gguf package's own deq
 """
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -164,6 +165,22 @@ def test_metadata_llama_cpp_reads(tmp_path, home):
         assert from_gguf.encode(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False).ids, text
 
 
+def test_chat_template_from_chat_template_jinja(tmp_path, home):
+    """A model whose template is chat_template.jinja (as transformers 5 saves it) keeps it in the GGUF."""
+    from runtime.models.tiny import ensure_tiny
+    from safetensors.numpy import load_file
+
+    d = tmp_path / "m"
+    shutil.copytree(ensure_tiny(), d)
+    tcfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "chat_template.jinja").write_text(tcfg.pop("chat_template"))
+    (d / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    out = tmp_path / "t.gguf"
+    gguf_write.write_model(out, load_file(str(d / "model.safetensors")), json.loads((d / "config.json").read_text()), d, "f32")
+    fields = {k: v.contents() for k, v in gguf.GGUFReader(out).fields.items()}
+    assert fields["tokenizer.chat_template"] == (d / "chat_template.jinja").read_text()
+
+
 def test_unsupported_models_are_one_line(tmp_path, home):
     path, _ = make_family("phi3", tmp_path / "phi3")
     cfg = json.loads((path / "config.json").read_text())
@@ -275,7 +292,7 @@ def test_real_smollm2_merged_and_adapter_gguf(tmp_path, home):
     spec = LoraSpec(rank=8, alpha=16.0, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
     tensors = random_lora(model_dir.config, spec)
     weights = merged_dir(model_dir, tensors, spec, tmp_path / "merged")
-    check_roundtrip(tmp_path / "merged", weights, tmp_path, label="SmolLM2-135M")
+    check_roundtrip(tmp_path / "merged", weights, tmp_path, kinds=("f32", "q8_0"), label="SmolLM2-135M")  # f16: on the random models
     save_adapter(tmp_path / "adapter", tensors, spec, str(hf), model_dir.config["num_hidden_layers"])
     gguf_write.write_adapter(tmp_path / "adapter.gguf", tensors, spec.alpha, model_dir.config)
     assert adapter_check(tmp_path / "adapter", tmp_path / "adapter.gguf", model_dir.config) == 60

@@ -284,7 +284,8 @@ def write_merged(dest: Path, session, model_dir, weights: dict | None = None) ->
 
         for name, data in hf_files(model_dir.path).items():
             (dest / name).write_bytes(data)
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                 "special_tokens_map.json"):
         if (model_dir.path / name).exists():
             shutil.copyfile(model_dir.path / name, dest / name)
     cfg = json.loads((dest / "config.json").read_text())
