@@ -94,3 +94,32 @@ def test_chat_template_matches_transformers(family):
         for gen in (False, True):
             assert ours.apply_chat_template(messages, add_generation_prompt=gen) == \
                 tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+
+
+SP_CORPUS = ["the quick brown fox", "  hello  world ", "unbelievable café naïve 🦙 日本", "<s>hi</s><|user|>x</s>",
+             "tokenization\ttabs\nnewline", ""]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path, home, arch):
+    """tokenizer.ggml.model `llama` (Llama 2, Mistral, Gemma, Phi-3 files): byte fallback, merges
+    recovered from the scores, each architecture's own spacing rules, user-defined tokens whole."""
+    from transformers import AutoTokenizer
+
+    from gguf_files import sentencepiece_tokenizer, write_minimal
+
+    path = write_minimal(tmp_path / "m.gguf", ensure_tiny(), arch=arch, tokenizer=sentencepiece_tokenizer())
+    ours = Tokenizer.from_dir(path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    mine, theirs = json.loads(ours._tok.to_str()), json.loads(hf.backend_tokenizer.to_str())
+    # transformers appends GemmaTokenizer's default specials that this small vocabulary lacks,
+    # as new ids past the file's vocabulary (no model could embed them): compare the rest
+    n = len(sentencepiece_tokenizer()["tokens"])
+    theirs["added_tokens"] = [t for t in theirs["added_tokens"] if t["id"] < n]
+    assert mine == theirs
+    for text in SP_CORPUS:
+        ids = ours.encode(text)
+        assert ids == hf.encode(text, add_special_tokens=False), text
+        assert ours._tok.encode(text).ids == hf(text).input_ids, text  # add_bos defaults on for `llama` files
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+    assert ours._tok.encode("hi").ids[0] == 1  # <s>
