@@ -123,3 +123,29 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path, home, arch):
         assert ours._tok.encode(text).ids == hf(text).input_ids, text  # add_bos defaults on for `llama` files
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
     assert ours._tok.encode("hi").ids[0] == 1  # <s>
+
+
+def test_tune_merge_on_a_gguf_base_writes_a_hugging_face_directory(family, tmp_path, home):
+    """`tune --merge` on a GGUF: the merged directory (config, tokenizer and template made from the
+    file) loads in transformers and gives the adapted model's logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import run_cli
+    from runtime.models.lora import load_adapter
+
+    path, md, _, _ = family("llama")
+    r = run_cli(["tune", str(path), "examples/data/train.jsonl", "--name", "m", "--steps", "2", "--batch", "2", "--lr", "1e-2",
+                 "--max-seq", "96", "--state", str(tmp_path / "s"), "--merge"])
+    assert r.returncode == 0, r.stderr
+    merged = tmp_path / "s" / "adapter" / "merged"
+    hf = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(merged))
+    ours_tok = Tokenizer.from_dir(md.path)
+    text = "<|im_start|>user\nhello there<|im_end|>\n"
+    assert tok.encode(text, add_special_tokens=False) == ours_tok.encode(text)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
+        ours_tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    ids = torch.tensor([ours_tok.encode(text)])
+    adapted = get_engine("torch-cpu").load_model(md, load_adapter(tmp_path / "s" / "adapter"))
+    with torch.no_grad():
+        np.testing.assert_allclose(hf(input_ids=ids).logits.numpy(), adapted(ids).numpy(), atol=TOL, rtol=0)

@@ -78,6 +78,16 @@ def test_logits_match_transformers(real, ours):
         assert want.abs().max().item() > 1.0
 
 
+def test_mlx_logits_match_transformers(real):
+    mx = pytest.importorskip("mlx.core")
+    _, md, hf, _ = real
+    ids = Tokenizer.from_dir(md.path).encode("The capital of France is")
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([ids])).logits.numpy()
+    got = np.array(get_engine("mlx").load_model(md)(mx.array([ids])))
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+
+
 CORPUS = [
     "Hello, world!", "  leading spaces and trailing  ", "<|im_start|>user\nhi<|im_end|>\n", "a<|im_end|>b<|endoftext|>c",
     "naïve café — “quotes” «guillemets» and emoji 🦙🔥 with ZWJ 👩‍💻 and flags 🇫🇷", "日本語のテキスト、中文，한국어, العربية, עברית",
