@@ -189,22 +189,54 @@ def load_transformers(path: Path):
     return model, tok
 
 
-def write_minimal(path: Path, tiny_dir: Path, *, arch: str = "llama", drop_keys=(), qtype: str = "F32") -> Path:
+SP_WORDS = ("the quick brown fox jumps over lazy dog hello world this is a test of sentence piece tokens with "
+            "some longer words like tokenization and unbelievable café naïve").split()
+
+
+def sentencepiece_tokenizer() -> dict:
+    """A small SentencePiece-style vocabulary as llama.cpp writes one (tokenizer.ggml.model
+    `llama`): <unk> <s> </s>, the 256 byte tokens, then pieces with scores and no merges, so
+    the merges are recovered from the scores as for Llama 2, Mistral and Gemma files."""
+    tokens, types, scores = ["<unk>", "<s>", "</s>"], [2, 3, 3], [0.0, 0.0, 0.0]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    scores += [0.0] * 256
+    pieces = ["▁"] + sorted({c for w in SP_WORDS for c in w})
+    for w in SP_WORDS:
+        full = "▁" + w
+        pieces += [full[:i] for i in range(2, len(full) + 1)]
+    for piece in dict.fromkeys(pieces):
+        tokens.append(piece)
+        types.append(1)
+        scores.append(-float(len(tokens)))
+    tokens.append("<|user|>")
+    types.append(4)
+    scores.append(0.0)
+    return {"model": "llama", "tokens": tokens, "types": types, "scores": scores, "bos": 1, "eos": 2, "unk": 0,
+            "template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"}
+
+
+def write_minimal(path: Path, tiny_dir: Path, *, arch: str = "llama", drop_keys=(), qtype: str = "F32",
+                  tokenizer: dict | None = None) -> Path:
     """A one-layer llama-shaped GGUF from numpy alone (no transformers): the file the bad-input
-    tests start from. `drop_keys` leaves metadata out; `qtype` is the type of the 2-D weights."""
+    tests start from. `drop_keys` leaves metadata out; `qtype` is the type of the 2-D weights;
+    `tokenizer` (sentencepiece_tokenizer()) replaces tiny's byte-level BPE."""
     import gguf
 
-    tk = _tiny_tokenizer(tiny_dir)
+    tk = tokenizer or _tiny_tokenizer(tiny_dir)
     d, inter, heads, vocab = 32, 64, 2, len(tk["tokens"])
     w = gguf.GGUFWriter(str(path), arch)
     keys = {
         "context_length": lambda: w.add_context_length(256), "embedding_length": lambda: w.add_embedding_length(d),
         "block_count": lambda: w.add_block_count(1), "feed_forward_length": lambda: w.add_feed_forward_length(inter),
         "head_count": lambda: w.add_head_count(heads), "head_count_kv": lambda: w.add_head_count_kv(heads),
-        "rms_eps": lambda: w.add_layer_norm_rms_eps(1e-6), "tokenizer.ggml.model": lambda: w.add_tokenizer_model("gpt2"),
+        "rms_eps": lambda: w.add_layer_norm_rms_eps(1e-6), "tokenizer.ggml.model": lambda: w.add_tokenizer_model(tk.get("model", "gpt2")),
         "tokenizer.ggml.tokens": lambda: w.add_token_list(tk["tokens"]),
         "tokenizer.ggml.token_type": lambda: w.add_token_types(tk["types"]),
-        "tokenizer.ggml.merges": lambda: w.add_token_merges(tk["merges"]),
+        "tokenizer.ggml.merges": lambda: "merges" in tk and w.add_token_merges(tk["merges"]),
+        "tokenizer.ggml.scores": lambda: "scores" in tk and w.add_token_scores(tk["scores"]),
+        "tokenizer.ggml.bos_token_id": lambda: "unk" in tk and w.add_bos_token_id(tk["bos"]),
+        "tokenizer.ggml.unknown_token_id": lambda: "unk" in tk and w.add_unk_token_id(tk["unk"]),
         "tokenizer.ggml.eos_token_id": lambda: w.add_eos_token_id(tk["eos"]),
         "tokenizer.chat_template": lambda: w.add_chat_template(tk["template"]),
     }

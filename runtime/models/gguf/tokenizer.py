@@ -142,23 +142,28 @@ def tokenizer_json(gf) -> tuple[dict, dict]:
         bpe = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
                "vocab": vocab, "merges": _merges(gf, tokens, vocab)}
-        if gf.architecture == "phi3":
+        strip = {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+        decoders = [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"}]
+        implicit = [t for t in ("<unk>", "<s>", "</s>") if t in vocab]  # LlamaTokenizer's defaults
+        if gf.architecture == "phi3":  # the prefix space from a normalizer, not Metaspace
             normalizer = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
                                                               {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
-            pre = None
+            pre, decoders = None, decoders + [strip]
+        elif gf.architecture in ("gemma", "gemma2", "gemma3"):  # GemmaTokenizer: spaces kept as "▁", no prefix space
+            normalizer = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+            pre = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False}
+            bpe["unk_token"] = "<unk>"
+            implicit = [t for t in ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>") if t in vocab]
         else:
             normalizer = None
             pre = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False}
-        decoder = {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"},
-            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
-        implicit = [t for t in ("<unk>", "<s>", "</s>") if t in vocab]  # LlamaTokenizer's defaults
+            decoders = decoders + [strip]
+        decoder = {"type": "Sequence", "decoders": decoders}
         controls = [i for i, t in enumerate(types) if t == CONTROL]
     special = set(controls) | {vocab[t] for t in implicit}
     special |= {vocab[config[n]] for n in _SPECIAL_IDS if config.get(n) in vocab}
     user = {i for i, t in enumerate(types) if t == USER_DEFINED} - special
     added = [_added(spelled[i], i, i in special) for i in sorted(special | user)]
-    bpe["unk_token"] = config["unk_token"] if model == "llama" and config.get("unk_token") else bpe["unk_token"]
     return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
             "pre_tokenizer": pre, "post_processor": post_processor(config, vocab), "decoder": decoder, "model": bpe}, config
 
