@@ -37,5 +37,8 @@ python3 -c "import json,sys; d=[json.loads(l) for l in open(sys.argv[1])][-1]; p
 echo "== 3. the tuned model on the same 60 reviews"
 score after --adapter out/real-model/tune/adapter
 
-# == 4. GGUF export: `spillpack export` of the tuned model into a GGUF that Ollama and
-#       llama.cpp run is added here by the GGUF-export change (issue 22, point 3).
+echo "== 4. the tuned model as GGUF for Ollama and llama.cpp (merged, q8_0), and the LoRA alone for llama-server --lora"
+rm -f out/real-model/real-q8_0.gguf out/real-model/real-lora.gguf
+spillpack export out/real-model/tune --gguf out/real-model/real-q8_0.gguf --type q8_0 \
+    --gguf-adapter out/real-model/real-lora.gguf
+ls -l out/real-model/real-q8_0.gguf out/real-model/real-lora.gguf
