@@ -17,7 +17,8 @@ import torch
 from conftest import events_of, run_cli
 from hf_fixtures import make_family
 from real_model import smollm2_hf_dir
-from runtime.engines import OptimSpec, get_engine
+from runtime.engines import OptimSpec
+from runtime.engines.registry import get_engine
 from runtime.models import gguf_write
 from runtime.models.lora import LoraSpec, init_tensors
 from runtime.models.ref import resolve_model
@@ -318,7 +319,7 @@ def test_export_of_an_unfinished_tune_takes_its_newest_checkpoint(tmp_path, home
     from safetensors.numpy import load as st_load
 
     from runtime.state.jobstate import JobState
-    from runtime.state.store import open_store
+    from runtime.state.uri import open_store
 
     state = tmp_path / "state"
     p = run_cli(["tune", "tiny", "examples/data/train.jsonl", "--steps", "6", "--lr", "1e-2", "--ckpt-every", "2",
@@ -328,9 +329,9 @@ def test_export_of_an_unfinished_tune_takes_its_newest_checkpoint(tmp_path, home
     p = run_cli(["export", str(state), "--gguf-adapter", str(out)], env={"SPILLPACK_HEADLESS": "0"})
     assert p.returncode == 0, p.stderr
     js = JobState(open_store(str(state)), {})
-    step = js.latest_checkpoint().step
+    step = js.checkpoints.latest().step
     assert step in (2, 3) and f"(step {step}: the tune has not finished)" in p.stderr and "llama-server -m BASE.gguf --lora" in p.stdout
-    ckpt = {k.removeprefix("adapter."): v for k, v in st_load(js.read_file(js.latest_checkpoint(), "state.safetensors")).items()
+    ckpt = {k.removeprefix("adapter."): v for k, v in st_load(js.read_file(js.checkpoints.latest(), "state.safetensors")).items()
             if k.startswith("adapter.")}
     got = {t.name: np.array(t.data) for t in gguf.GGUFReader(out).tensors}
     a = ckpt["model.layers.1.self_attn.v_proj.lora_A.weight"]

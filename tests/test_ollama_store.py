@@ -15,7 +15,7 @@ import pytest
 
 from conftest import events_of, run_cli
 from real_model import smollm2_gguf
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.models import ollama
 
 TEMPLATE = "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"

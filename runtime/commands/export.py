@@ -14,11 +14,11 @@ from __future__ import annotations
 import orjson
 from safetensors.numpy import load as st_load
 
-from runtime.errors import SpillpackError, UsageError
+from runtime.base.errors import SpillpackError, UsageError
 from runtime.models import gguf_write
 from runtime.models.lora import PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, LoraSpec
 from runtime.state.jobstate import JobState
-from runtime.state.store import open_store
+from runtime.state.uri import open_store
 
 
 def add_arguments(parser) -> None:
@@ -48,7 +48,7 @@ def read_adapter(uri: str) -> tuple[dict, LoraSpec, dict, str]:
         spec = LoraSpec(rank=int(cfg.get("r", o["rank"])), alpha=float(cfg.get("lora_alpha", o["alpha"])),
                         targets=tuple(cfg.get("target_modules") or o["targets"].split(",")))
         return tensors, spec, inv, store.child_uri("adapter")
-    latest = state.latest_checkpoint()
+    latest = state.checkpoints.latest()
     if latest is None:
         raise SpillpackError(f"{uri} has no adapter yet: the tune has committed no checkpoint", f"spillpack resume {uri}")
     blob = st_load(state.read_file(latest, "state.safetensors"))
@@ -59,7 +59,8 @@ def read_adapter(uri: str) -> tuple[dict, LoraSpec, dict, str]:
 
 def merged_weights(model_dir, tensors: dict, spec: LoraSpec) -> dict:
     """The engine's merge (the checkpoint's own float32 tensors + scale * B @ A), as `tune --merge` writes it."""
-    from runtime.engines import OptimSpec, get_engine
+    from runtime.engines import OptimSpec
+    from runtime.engines.registry import get_engine
     from runtime.engines.hardware import choose_engine
 
     engine = get_engine(choose_engine(None)[0])

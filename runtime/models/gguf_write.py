@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import SpillpackError, UsageError
-from runtime.fileio import unlink
+from runtime.base.errors import SpillpackError, UsageError
+from runtime.base.fileio import unlink
 
 # spillpack model_type -> GGUF architecture. Mistral would be `llama` too, but llama.cpp's llama
 # ignores a sliding window, so it is left out rather than written wrong.
@@ -328,7 +328,8 @@ def write_adapter(path: Path, tensors: dict[str, np.ndarray], alpha: float, conf
 def check_gguf_output(uri: str, flag: str, replace: bool = False) -> None:
     """Before any work: FILE can be written and, unless `replace` (a tune's own output, written
     again when the finished job is run again), is not there yet."""
-    from runtime.state.store import check_output, local_file, open_store
+    from runtime.state.store import local_file
+    from runtime.state.uri import check_output, open_store
 
     check_output(uri, directory=False, flag=flag)
     if replace:
@@ -342,7 +343,8 @@ def check_gguf_output(uri: str, flag: str, replace: bool = False) -> None:
 def deliver(uri: str, write) -> None:
     """`write(path)` into FILE: a local path directly (atomically), an s3:// URI through a
     temporary file put whole."""
-    from runtime.state.store import local_file, open_store
+    from runtime.state.store import local_file
+    from runtime.state.uri import open_store
 
     path = local_file(uri)
     if path is not None:

@@ -23,9 +23,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.errors import SpillpackError
-from runtime.fileio import atomic_write, sha256_file
-from runtime.paths import spillpack_home
+from runtime.base.errors import SpillpackError
+from runtime.base.fileio import atomic_write, sha256_file
+from runtime.base.paths import spillpack_home
 
 MODEL_MEDIA = "application/vnd.ollama.image.model"
 DEFAULT_HOST, DEFAULT_NAMESPACE, DEFAULT_TAG = "registry.ollama.ai", "library", "latest"
