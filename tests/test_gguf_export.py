@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import events_of, run_cli
-from hf_fixtures import make_family
-from real_model import smollm2_hf_dir
+from tests.support.hf_fixtures import make_family
+from tests.support.real_model import smollm2_hf_dir
 from runtime.engines import OptimSpec
 from runtime.engines.registry import get_engine
 from runtime.models import gguf_write

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import events_of, run_cli
-from real_model import smollm2_gguf
+from tests.support.real_model import smollm2_gguf
 from runtime.base.errors import SpillpackError
 from runtime.models import ollama
 
@@ -234,7 +234,7 @@ def test_tune_on_a_store_tag_exports_gguf_that_transformers_reads(store, tmp_pat
     import torch
     import transformers
 
-    from test_gguf_export import adapter_check
+    from tests.test_gguf_export import adapter_check
 
     state, tuned = tmp_path / "state", tmp_path / "tuned.gguf"
     p = run_cli(["tune", "smollm2:135m", "examples/data/train.jsonl", "--steps", "2", "--batch", "2", "--max-seq", "96",
