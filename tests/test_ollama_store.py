@@ -94,6 +94,14 @@ def test_a_store_tag_loads_as_the_gguf(store):
     model = resolve_model("smollm2:135m")
     assert model.path == blob.resolve() and model.is_gguf and model.arch == "llama"
     assert model.config["hidden_size"] == 576 and model.config["num_hidden_layers"] == 30 and model.config["vocab_size"] == 49152
+    # the blob has no .gguf suffix: the tokenizer and the weights are still read from it as a GGUF
+    from runtime.models.tokenizer import Tokenizer
+    from runtime.models.weights import tensor_shapes, weight_files
+
+    assert weight_files(model.path) == [model.path]
+    assert tensor_shapes([model.path])["model.layers.0.self_attn.k_proj.weight"] == (192, 576)
+    text = "What is the capital of France?"
+    assert Tokenizer.from_dir(model.path).encode(text) == Tokenizer.from_dir(smollm2_gguf()).encode(text)
     # a known tag whose store copy is another architecture is refused, naming both
     (root / "manifests/registry.ollama.ai/library/qwen2.5").mkdir(parents=True)
     shutil.copy(root / "manifests/registry.ollama.ai/library/smollm2/135m", root / "manifests/registry.ollama.ai/library/qwen2.5/7b")

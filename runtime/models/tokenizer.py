@@ -13,6 +13,7 @@ from functools import cached_property
 from pathlib import Path
 
 from runtime.base.errors import SpillpackError
+from runtime.models.gguf import is_gguf_file
 
 # Variables every template sees unless a caller overrides them (transformers passes a call's
 # kwargs the same way): thinking off, for training data and for `run` rows that do not ask.
@@ -96,7 +97,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(path)
-        if path.suffix.lower() == ".gguf":
+        if is_gguf_file(path):  # a .gguf, or an Ollama blob
             return cls.from_gguf(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.exists():

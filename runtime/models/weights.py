@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.base.errors import SpillpackError
+from runtime.models.gguf import is_gguf_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -24,7 +25,7 @@ SINGLE = "model.safetensors"
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint: the shards named by the index, or model.safetensors
     (a GGUF is its own one file)."""
-    if path.suffix.lower() == ".gguf":
+    if is_gguf_file(path):
         return [path]
     index = path / INDEX
     if index.exists():
@@ -63,7 +64,7 @@ def tensor_shapes(files) -> dict[str, tuple]:
     """name -> shape of every tensor in the files, from their headers alone."""
     out = {}
     for f in files:
-        if f.suffix.lower() == ".gguf":
+        if is_gguf_file(f):
             from runtime.models.gguf.model import tensor_shapes as gguf_shapes
 
             out.update(gguf_shapes(f))
@@ -76,7 +77,7 @@ def read_tensors(files):
     """(name, safetensors dtype, numpy array) for each tensor, one at a time, in file order
     (a GGUF's dequantized to float32, under the Hugging Face names)."""
     for f in files:
-        if f.suffix.lower() == ".gguf":
+        if is_gguf_file(f):
             from runtime.models.gguf.model import read_tensors as gguf_tensors
 
             yield from gguf_tensors(f)

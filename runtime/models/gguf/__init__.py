@@ -10,3 +10,20 @@ tokenizer.py builds the `tokenizers` tokenizer the metadata describes. Framework
 """
 
 SUFFIX = ".gguf"
+
+
+def is_gguf_file(path) -> bool:
+    """A .gguf file, or a file that starts with GGUF's magic: an Ollama blob is named by its digest
+    (blobs/sha256-<hex>), with no suffix. Standard library only, cheap: callers ask of every model path."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == SUFFIX:
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

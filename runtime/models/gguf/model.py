@@ -8,23 +8,13 @@ from functools import lru_cache
 from pathlib import Path
 
 from runtime.base.errors import SpillpackError
-from runtime.models.gguf import SUFFIX
+from runtime.models.gguf import SUFFIX, is_gguf_file
 from runtime.models.gguf.config import model_config
 from runtime.models.gguf.reader import GGUFFile, read_gguf
 
 
 def is_gguf(path) -> bool:
-    """A .gguf file, or a file that starts with GGUF's magic (an Ollama blob is named by its digest)."""
-    path = Path(path)
-    if not path.is_file():
-        return False
-    if path.suffix.lower() == SUFFIX:
-        return True
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
+    return is_gguf_file(path)
 
 
 def find_gguf(path: Path) -> Path | None:
