@@ -18,6 +18,7 @@ from runtime.models.tokenizer import Tokenizer
 from runtime.models.tiny import ensure_tiny
 
 mx = pytest.importorskip("mlx.core")
+pytestmark = pytest.mark.xdist_group("gguf_models")  # one worker: each file written and loaded once
 TOL = 1e-4
 NAMES = sorted(FAMILIES)
 
@@ -125,6 +126,7 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path, home, arch):
     assert ours._tok.encode("hi").ids[0] == 1  # <s>
 
 
+@pytest.mark.slow
 def test_tune_merge_on_a_gguf_base_writes_a_hugging_face_directory(family, tmp_path, home):
     """`tune --merge` on a GGUF: the merged directory (config, tokenizer and template made from the
     file) loads in transformers and gives the adapted model's logits."""

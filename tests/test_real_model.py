@@ -25,6 +25,8 @@ from runtime.models.ref import resolve_model
 from runtime.models.tokenizer import Tokenizer
 
 peft = pytest.importorskip("peft")
+# One worker runs the whole module, so the two models and the tune are loaded and run once.
+pytestmark = pytest.mark.xdist_group("real_model")
 TOL = 1e-4
 
 # Held-out rows of the example task the tune is scored on (the first 24 of the 60, to keep the
@@ -135,6 +137,7 @@ def hf_greedy(hf, tok, messages, max_new):
     return enc["input_ids"].shape[1], out[0, enc["input_ids"].shape[1]:].tolist()
 
 
+@pytest.mark.slow
 def test_run_answers_and_matches_transformers_greedy(real, tmp_path, home):
     """`spillpack run` on the GGUF, 16 chat prompts, greedy: the France answer says Paris, and every
     row is transformers' greedy continuation (same text, same prompt and completion token counts)."""
@@ -194,10 +197,12 @@ def tuned(real, tmp_path_factory):
     return {"dir": d, "before": before, "after": after, "adapter": d / "tune" / "adapter", "env": env}
 
 
+@pytest.mark.slow
 def test_tune_raises_the_held_out_score(tuned):
     assert tuned["after"] > tuned["before"], tuned
 
 
+@pytest.mark.slow
 def test_tune_resumed_after_sigterm_is_bit_identical(real, tuned, tmp_path):
     path = real[0]
     state = tmp_path / "tune"
@@ -212,6 +217,7 @@ def test_tune_resumed_after_sigterm_is_bit_identical(real, tuned, tmp_path):
         assert (state / "adapter" / name).read_bytes() == (tuned["adapter"] / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_adapter_loads_in_peft_on_the_transformers_gguf_model(real, tuned):
     """Logits through the adapter, ours against PEFT's on transformers' model from the same GGUF.
 
