@@ -7,7 +7,7 @@ import zipfile
 import pytest
 
 from conftest import clean_env, run_cli
-from gguf_files import write_minimal
+from tests.support.gguf_files import write_minimal
 from runtime.models.tiny import ensure_tiny
 from test_pack import new_home, run_bundle
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import FAMILIES, load_transformers, write_family
+from tests.support.gguf_files import FAMILIES, load_transformers, write_family
 from runtime.engines import get_engine
 from runtime.models.gguf.reader import read_gguf
 from runtime.models.gguf.tensors import SUPPORTED_TYPES
@@ -107,7 +107,7 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path, home, arch):
     recovered from the scores, each architecture's own spacing rules, user-defined tokens whole."""
     from transformers import AutoTokenizer
 
-    from gguf_files import sentencepiece_tokenizer, write_minimal
+    from tests.support.gguf_files import sentencepiece_tokenizer, write_minimal
 
     path = write_minimal(tmp_path / "m.gguf", ensure_tiny(), arch=arch, tokenizer=sentencepiece_tokenizer())
     ours = Tokenizer.from_dir(path)

@@ -8,7 +8,7 @@ and LongRoPE factors. Mistral comes as `llama` (general.name says mistral), as t
 
 from __future__ import annotations
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 # general.architecture -> spillpack's model_type.
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text",

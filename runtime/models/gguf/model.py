@@ -7,7 +7,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.models.gguf import SUFFIX
 from runtime.models.gguf.config import model_config
 from runtime.models.gguf.reader import GGUFFile, read_gguf

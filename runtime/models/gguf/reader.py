@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)

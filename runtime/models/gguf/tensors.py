@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 # The tensor types spillpack reads, by ggml type id (gguf.GGMLQuantizationType).
 SUPPORTED_TYPES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 CONTROL, USER_DEFINED = 3, 4
 MODELS = ("gpt2", "llama")
