@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.gguf_files import FAMILIES, load_transformers, write_family
-from runtime.engines import get_engine
+from runtime.engines.registry import get_engine
 from runtime.models.gguf.reader import read_gguf
 from runtime.models.gguf.tensors import SUPPORTED_TYPES
 from runtime.models.ref import resolve_model

@@ -19,7 +19,7 @@ import torch
 from conftest import REPO, events_of, run_cli
 from tests.support.gguf_files import load_transformers, real_model_path
 from tests.support.jobproc import run_until
-from runtime.engines import get_engine
+from runtime.engines.registry import get_engine
 from runtime.models.lora import load_adapter
 from runtime.models.ref import resolve_model
 from runtime.models.tokenizer import Tokenizer
