@@ -17,7 +17,7 @@ echo "model: $model"
 score() {  # $1 label, extra args...: accuracy on the 60 held-out rows
   local label=$1; shift
   spillpack eval "$model" examples/data/evals.jsonl --name "real-eval-$label" --state "out/real-model/eval-$label" "$@" \
-      --headless > "out/real-model/eval-$label.jsonl"
+      --headless > "out/real-model/eval-$label.jsonl" 2> "out/real-model/eval-$label.err"
   python3 -c "import json,sys; d=[json.loads(l) for l in open(sys.argv[1])][-1]; print(f'   {sys.argv[2]:<6} accuracy {d[\"accuracy\"]:.2f}  95% [{d[\"ci95\"][0]:.2f}, {d[\"ci95\"][1]:.2f}]  ({d[\"seconds\"]:.0f} s)')" \
       "out/real-model/eval-$label.jsonl" "$label"
 }
@@ -30,7 +30,7 @@ echo "== 2. tune a LoRA on the 200 training rows"
 start=$(date +%s)
 spillpack tune "$model" examples/data/train.jsonl --name real --state out/real-model/tune \
     --steps 60 --batch 4 --lr 1e-3 --rank 8 --warmup 4 --targets q_proj,k_proj,v_proj,o_proj --headless \
-    > out/real-model/tune.jsonl
+    > out/real-model/tune.jsonl 2> out/real-model/tune.err
 python3 -c "import json,sys; d=[json.loads(l) for l in open(sys.argv[1])][-1]; print(f'   {d[\"steps\"]} steps, loss {d[\"first_loss\"]:.3f} -> {d[\"final_loss\"]:.3f} in {int(sys.argv[2])} s')" \
     out/real-model/tune.jsonl "$(( $(date +%s) - start ))"
 

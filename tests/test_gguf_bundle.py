@@ -4,12 +4,15 @@ yaml it imports), and the bundle's run on a clean node gives the rows of a direc
 import json
 import zipfile
 
+import pytest
+
 from conftest import clean_env, run_cli
-from gguf_files import write_minimal
+from tests.support.gguf_files import write_minimal
 from runtime.models.tiny import ensure_tiny
 from test_pack import new_home, run_bundle
 
 
+@pytest.mark.slow
 def test_packed_gguf_run_equals_direct_run(phome, tmp_path, tiny_home):
     model = tmp_path / "src" / "model"
     model.mkdir(parents=True)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import FAMILIES, load_transformers, write_family
-from runtime.engines import get_engine
+from tests.support.gguf_files import FAMILIES, load_transformers, write_family
+from runtime.engines.registry import get_engine
 from runtime.models.gguf.reader import read_gguf
 from runtime.models.gguf.tensors import SUPPORTED_TYPES
 from runtime.models.ref import resolve_model
@@ -18,6 +18,7 @@ from runtime.models.tokenizer import Tokenizer
 from runtime.models.tiny import ensure_tiny
 
 mx = pytest.importorskip("mlx.core")
+pytestmark = pytest.mark.xdist_group("gguf_models")  # one worker: each file written and loaded once
 TOL = 1e-4
 NAMES = sorted(FAMILIES)
 
@@ -106,7 +107,7 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path, home, arch):
     recovered from the scores, each architecture's own spacing rules, user-defined tokens whole."""
     from transformers import AutoTokenizer
 
-    from gguf_files import sentencepiece_tokenizer, write_minimal
+    from tests.support.gguf_files import sentencepiece_tokenizer, write_minimal
 
     path = write_minimal(tmp_path / "m.gguf", ensure_tiny(), arch=arch, tokenizer=sentencepiece_tokenizer())
     ours = Tokenizer.from_dir(path)
@@ -125,6 +126,7 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path, home, arch):
     assert ours._tok.encode("hi").ids[0] == 1  # <s>
 
 
+@pytest.mark.slow
 def test_tune_merge_on_a_gguf_base_writes_a_hugging_face_directory(family, tmp_path, home):
     """`tune --merge` on a GGUF: the merged directory (config, tokenizer and template made from the
     file) loads in transformers and gives the adapted model's logits."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from gguf_files import write_minimal
+from tests.support.gguf_files import write_minimal
 from runtime.base.errors import SpillpackError
 from runtime.models.gguf.reader import read_gguf
 from runtime.models.ref import resolve_model

@@ -17,14 +17,16 @@ import pytest
 import torch
 
 from conftest import REPO, events_of, run_cli
-from gguf_files import load_transformers, real_model_path
-from jobproc import run_until
-from runtime.engines import get_engine
+from tests.support.gguf_files import load_transformers, real_model_path
+from tests.support.jobproc import run_until
+from runtime.engines.registry import get_engine
 from runtime.models.lora import load_adapter
 from runtime.models.ref import resolve_model
 from runtime.models.tokenizer import Tokenizer
 
 peft = pytest.importorskip("peft")
+# One worker runs the whole module, so the two models and the tune are loaded and run once.
+pytestmark = pytest.mark.xdist_group("real_model")
 TOL = 1e-4
 
 # Held-out rows of the example task the tune is scored on (the first 24 of the 60, to keep the
@@ -135,6 +137,7 @@ def hf_greedy(hf, tok, messages, max_new):
     return enc["input_ids"].shape[1], out[0, enc["input_ids"].shape[1]:].tolist()
 
 
+@pytest.mark.slow
 def test_run_answers_and_matches_transformers_greedy(real, tmp_path, home):
     """`spillpack run` on the GGUF, 16 chat prompts, greedy: the France answer says Paris, and every
     row is transformers' greedy continuation (same text, same prompt and completion token counts)."""
@@ -194,10 +197,12 @@ def tuned(real, tmp_path_factory):
     return {"dir": d, "before": before, "after": after, "adapter": d / "tune" / "adapter", "env": env}
 
 
+@pytest.mark.slow
 def test_tune_raises_the_held_out_score(tuned):
     assert tuned["after"] > tuned["before"], tuned
 
 
+@pytest.mark.slow
 def test_tune_resumed_after_sigterm_is_bit_identical(real, tuned, tmp_path):
     path = real[0]
     state = tmp_path / "tune"
@@ -212,20 +217,34 @@ def test_tune_resumed_after_sigterm_is_bit_identical(real, tuned, tmp_path):
         assert (state / "adapter" / name).read_bytes() == (tuned["adapter"] / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_adapter_loads_in_peft_on_the_transformers_gguf_model(real, tuned):
+    """Logits through the adapter, ours against PEFT's on transformers' model from the same GGUF.
+
+    This model's logits reach ~35, where float32 rounding alone moves them by ~1e-4 (two float32
+    runs of PEFT itself differ from its float64 run by 8e-5): the adapter is held to within 1e-4
+    of PEFT's float32 logits where that is float32's resolution, and to be no further from PEFT's
+    float64 logits than PEFT's own float32 run is."""
     path, md, hf, tok = real
     ids = torch.tensor([Tokenizer.from_dir(md.path).encode_prompt([{"role": "user", "content": "Is this review positive "
                                                                     "or negative? Answer with one word.\n\nThe food was great."}])])
     ours = get_engine("torch-cpu").load_model(md, load_adapter(tuned["adapter"]))
     with torch.no_grad():
-        got = ours(ids)
+        got = ours(ids).double()
     peft_model = peft.PeftModel.from_pretrained(hf, str(tuned["adapter"])).eval()
     try:
         with torch.no_grad():
-            want = peft_model(input_ids=ids).logits
+            want = peft_model(input_ids=ids).logits.double()
             with peft_model.disable_adapter():
-                plain = peft_model(input_ids=ids).logits
+                plain = peft_model(input_ids=ids).logits.double()
+            ref = peft_model.double()(input_ids=ids).logits  # float64: the arithmetic without float32's rounding
     finally:
-        peft_model.unload()  # the module's transformers model stays the base model
-    assert (got - want).abs().max().item() < TOL
+        peft_model.float()  # float32 -> float64 -> float32 is exact: the module's model is unchanged
+        peft_model.unload()  # and stays the base model
+    scale = want.abs().max().item()
+    ours_err, peft_err, diff = (got - ref).abs().max().item(), (want - ref).abs().max().item(), (got - want).abs().max().item()
+    print(f"adapter logits: max |ours - PEFT| {diff:.2e} (logits up to {scale:.1f}); from float64: ours {ours_err:.2e}, "
+          f"PEFT float32 {peft_err:.2e}")
+    assert diff < max(TOL, 2 * peft_err)
+    assert ours_err <= 1.25 * peft_err + 1e-6
     assert (plain - want).abs().max().item() > 1e-2  # the adapter really changes the model
