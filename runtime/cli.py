@@ -18,6 +18,7 @@ from runtime.config.commands import COMMANDS, options_for
 from runtime.config.invocation import Invocation, resolve, write_config
 from runtime.base import progress, ranks
 from runtime.core.events import Events, headless_wanted
+from runtime.base.threads import quiet_openmp
 from runtime.base.signals import Abandon, install_process_handler
 from runtime.base.errors import EXIT_PREEMPTED, SpillpackError, UsageError, from_os_error, redact
 
@@ -64,6 +65,7 @@ def build_parser(extra: dict | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) -> int:
     """`bundle`: the runtime.bootstrap.Bundle this process runs from (run.sh), else None."""
     install_process_handler()  # the entry points did already, before their imports; a library caller gets it here
+    quiet_openmp()  # the console script and the zipapp reach torch only through here
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     command = next((a for a in argv if not a.startswith("-")), None)

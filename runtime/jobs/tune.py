@@ -36,6 +36,8 @@ from runtime.jobs import estimate
 from runtime.jobs.sizing import plan_tune
 from runtime.state.uri import check_output, open_store
 from runtime.models.tokenizer import Tokenizer
+from runtime.base.threads import start_fields
+from runtime.base.allotment import cpus
 
 CHECKPOINT_TENSORS = "state.safetensors"
 CHECKPOINT_META = "meta.json"
@@ -131,7 +133,7 @@ def main(inv, events) -> Outcome:
         rate = engine_rate(job.engine_name)
         est = engine_estimate(model_dir.config, tokens_per_step * max(0, total - work.done), rate["matmul_gflops"])
         events.emit("start", step=work.done, job=o["name"], model=a["model"], placement=f"{job.engine_name}: {job.engine_reason}",
-                    state=job.state_uri, estimated_seconds=est, steps=total, rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
+                    state=job.state_uri, estimated_seconds=est, steps=total, **start_fields(job.engine_name, cpus().count), rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
                     estimated_peak_gb=round(plan.estimate.peak_gb, 3), memory_gb=round(plan.available_gb, 3),
                     memory_from=plan.available_from, micro_batch=plan.micro_batch, grad_checkpoint=plan.grad_checkpoint,
                     message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "
