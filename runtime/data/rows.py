@@ -69,7 +69,7 @@ class Row:
 def parse_rows(raw: bytes, uri: str, max_tokens: int, temperature: float, top_p: float, seed: int) -> list[Row]:
     rows: list[Row] = []
     seen: dict[str, int] = {}
-    for n, obj in iter_jsonl(raw, uri):
+    for n, obj in iter_jsonl(raw, uri, nonfinite=True):
         cid = obj.get("custom_id")
         if not isinstance(cid, str) or not cid:
             raise SpillpackError(f"{uri} line {n} has no custom_id (a non-empty string is needed to match its result)",

@@ -21,9 +21,15 @@ class Grammars:
 
         self._ll = llguidance
         backend = tokenizer.backend
-        eos = sorted(tokenizer.eos_token_ids)
+        # One end token for the grammar (llguidance 1.6 takes one): the tokenizer's own eos when it
+        # names one. The generator ends a row on any of its end tokens, and as soon as the grammar
+        # is complete, so the others need no place in the mask.
+        named = tokenizer.special_tokens.get("eos_token")
+        eos = tokenizer.token_to_id(named) if named else None
+        if eos is None and tokenizer.eos_token_ids:
+            eos = min(tokenizer.eos_token_ids)
         self.vocab = backend.get_vocab_size(with_added_tokens=True)
-        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab, eos_token=eos or None)
+        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab, eos_token=eos)
         self.executor = llguidance.LLExecutor()
         self._compiled: dict[str, object] = {}
 
