@@ -13,6 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 
+# llguidance's view of a tokenizer takes seconds for a 50k vocabulary: made once per process and
+# tokenizer (a job's Generator, and each generator a benchmark or a test makes after it).
+_TOKENIZERS: dict[tuple, object] = {}
+
+
 class Grammars:
     CACHE = 64  # distinct grammars kept compiled
 
@@ -29,7 +34,10 @@ class Grammars:
         if eos is None and tokenizer.eos_token_ids:
             eos = min(tokenizer.eos_token_ids)
         self.vocab = backend.get_vocab_size(with_added_tokens=True)
-        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab, eos_token=eos)
+        key = (str(tokenizer.path), self.vocab, eos)
+        if key not in _TOKENIZERS:
+            _TOKENIZERS[key] = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab, eos_token=eos)
+        self.tokenizer = _TOKENIZERS[key]
         self.executor = llguidance.LLExecutor()
         self._compiled: dict[str, object] = {}
 
