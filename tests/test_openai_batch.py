@@ -360,3 +360,25 @@ def test_eval_scores_the_parsed_field_of_a_structured_answer(home, tmp_path):
         assert s["correct"] == (answer["label"] == row["expected"])
     done = events_of(r.stdout)[-1]
     assert done["correct"] == sum(s["correct"] for s in scored) and done["failed_rows"] == 0
+
+
+def test_structured_and_stop_rows_on_mlx_equal_torch(home, tmp_path):
+    """The grammar masks, stop strings and penalties are numpy over any engine's logits: the MLX
+    engine's answers validate and are the torch engine's, byte for byte (logprobs aside: the
+    engines' logits differ in their last bits)."""
+    rows = [chat("s", "Classify: fine", max_tokens=80, response_format=schema_format()),
+            chat("o", "JSON please", max_tokens=30, response_format={"type": "json_object"}),
+            chat("t", "Tell me about the sea", max_tokens=16, stop=[" the", "\n"]),
+            chat("p", "Tell me about the sea", max_tokens=10, presence_penalty=1.0, frequency_penalty=1.0)]
+    inp = write_rows(tmp_path / "in.jsonl", rows)
+    outs = {}
+    for engine in ("torch-cpu", "mlx"):
+        out = tmp_path / f"{engine}.jsonl"
+        r = run_cli(["run", "tiny", str(inp), "--engine", engine, "--out", str(out), "--state", str(tmp_path / engine)], timeout=900)
+        assert r.returncode == 0, r.stderr
+        lines = [json.loads(x) for x in out.read_text().splitlines()]
+        bodies = [check_line(x) for x in lines]
+        assert bodies[0].choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(bodies[0].choices[0].message.content), SCHEMA)
+        outs[engine] = out.read_bytes()
+    assert outs["mlx"] == outs["torch-cpu"]
