@@ -6,7 +6,7 @@
 Two comparisons, each on the same model, decoder, prompts and slots (--batch), greedy:
 
 - `plain`: rows without options through this tree's Generator and through the Generator of
-  another checkout (--against: its runtime/generation.py, loaded beside this one), so a plain
+  another checkout (--against: its runtime/engines/generation.py, loaded beside this one), so a plain
   batch can be held to the code before these options existed;
 - `schema`: the same rows with a JSON schema each (response_format json_schema, llguidance
   masks every step) against the same rows unconstrained.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from runtime.data.grammars import grammar_for
 from runtime.engines import get_engine
-from runtime.generation import Generator, Request
+from runtime.engines.generation import Generator, Request
 from runtime.models.ref import resolve_model
 from runtime.models.tokenizer import Tokenizer
 
@@ -37,7 +37,8 @@ SCHEMA = {"type": "object", "properties": {
 
 
 def load_generator_class(checkout: Path):
-    spec = importlib.util.spec_from_file_location("other_generation", checkout / "runtime" / "generation.py")
+    path = next(p for p in (checkout / "runtime/engines/generation.py", checkout / "runtime/generation.py") if p.exists())
+    spec = importlib.util.spec_from_file_location("other_generation", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.Generator, mod.Request

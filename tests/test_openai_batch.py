@@ -22,11 +22,11 @@ from openai.types.chat import ChatCompletion
 
 from runtime.data.rows import parse_rows
 from runtime.engines.torch.models import load_model
-from runtime.generation import Generator, Request
+from runtime.engines.generation import Generator, Request
 from runtime.models.ref import resolve_model
 from runtime.models.tokenizer import Tokenizer
 from tests.conftest import events_of, run_cli
-from tests.hf_fixtures import make_qwen2
+from tests.support.hf_fixtures import make_qwen2
 
 OUTPUT_KEYS = {"id", "custom_id", "response", "error"}
 

@@ -4,7 +4,7 @@ OpenAI's two structured forms: {"type": "json_object"} (any JSON object) and
 {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}. Either becomes an
 llguidance grammar (its JSON-schema compiler), checked when the rows are read: a schema it
 cannot compile is that row's error, never a failure of the job. The generator masks each
-step's logits to the tokens the grammar allows (runtime/generation.py).
+step's logits to the tokens the grammar allows (runtime/engines/generation.py).
 
 Whitespace between JSON tokens is not free: a model that likes spaces could otherwise spend
 all its tokens on them. Answers are compact JSON with ", " and ": " separators.

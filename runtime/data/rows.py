@@ -3,7 +3,7 @@
 Input, one JSON object a line:
     {"custom_id": "a", "body": {"messages": [...], "max_tokens": 64, "temperature": 0, "top_p": 1, "seed": 1}}
     {"custom_id": "b", "prompt": "text"}          a plain prompt is one user message
-    eval rows add "expected": the answer the metric compares against (runtime/metrics.py)
+    eval rows add "expected": the answer the metric compares against (runtime/jobs/metrics.py)
 A row's "url" (as OpenAI's batch lines carry it) must be /v1/chat/completions, the one endpoint
 run serves; a row without one is a chat completion. docs/commands.md lists the body parameters.
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from runtime.data.grammars import FormatError, grammar_for
 from runtime.data.messages import normalize
-from runtime.data.train import iter_jsonl
-from runtime.errors import SpillpackError
+from runtime.data.jsonl import iter_jsonl
+from runtime.base.errors import SpillpackError
 
 # Body parameters we honour; "model" is the job's model whatever the row says, "n" and
 # "stream" only in the one value a batch line can mean.
