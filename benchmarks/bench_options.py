@@ -21,11 +21,12 @@ import importlib.util
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
 from runtime.data.grammars import grammar_for
-from runtime.engines import get_engine
+from runtime.engines.registry import get_engine
 from runtime.engines.generation import Generator, Request
 from runtime.models.ref import resolve_model
 from runtime.models.tokenizer import Tokenizer
@@ -40,6 +41,7 @@ def load_generator_class(checkout: Path):
     path = next(p for p in (checkout / "runtime/engines/generation.py", checkout / "runtime/generation.py") if p.exists())
     spec = importlib.util.spec_from_file_location("other_generation", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["other_generation"] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod.Generator, mod.Request
 

@@ -36,8 +36,9 @@ RUNTIME_DEPS = {
     "markupsafe": "2.1",
     "tomli-w": "1.0",
     # response_format's constrained decoding; abi3 wheels, imported only by rows that ask for it.
-    # 1.6.1 is the newest with a manylinux_2_28 wheel (1.7 on need glibc 2.31); its API is the one used
-    "llguidance": "1.6.1",
+    # the newest with a wheel for an older glibc: 1.6.0 (manylinux_2_17), 1.6.1 (manylinux_2_28);
+    # 1.7 on need glibc 2.31. 1.6.0's API (one eos token) is the one runtime/engines/grammar_masks.py uses
+    "llguidance": "1.6.0",
 }
 # Only when the job names an s3:// URI. All pure Python.
 S3_DEPS = {"boto3": "1.28", "botocore": "1.31", "s3transfer": "0.6", "jmespath": "1.0", "python-dateutil": "2.8",
