@@ -11,7 +11,7 @@ Two comparisons, each on the same model, decoder, prompts and slots (--batch), g
 - `schema`: the same rows with a JSON schema each (response_format json_schema, llguidance
   masks every step) against the same rows unconstrained.
 
-Runs alternate (A, B, A, B, ...; --repeats each) so a machine whose load changes affects both;
+Runs alternate (A B, B A, A B, ...; --repeats pairs) so a machine whose load changes affects both;
 the best run of each is reported, as tokens generated per second (a constrained row may end
 earlier, when its JSON is complete) and the ratio B/A. Print `uptime` beside the figures.
 """
@@ -70,8 +70,9 @@ def timed(gen_cls, req_cls, model, tok, prompts, max_tokens, batch, **opts):
 
 def side_by_side(name, a, b, repeats):
     best = {}
-    for _ in range(repeats):
-        for label, fn in (("A", a), ("B", b)):
+    for n in range(repeats):
+        # A B, then B A: the one that runs second in a pair is not always the same
+        for label, fn in ((("A", a), ("B", b)) if n % 2 == 0 else (("B", b), ("A", a))):
             tokens, seconds = fn()
             rate = tokens / seconds
             if rate > best.get(label, (0, 0, 0))[0]:

@@ -217,15 +217,21 @@ class Generator:
         """Each slot's next token from its row of (n, V) logits; finished rows leave their slots."""
         # Greedy rows take one argmax over the batch, sampled rows draw their own.
         greedy = logits.argmax(-1).tolist()
-        constrained = [(n, self.rows[slot].matcher) for n, slot in enumerate(slots) if self.rows[slot].matcher is not None]
-        allowed = self._grammars.allowed(constrained, logits.shape[1]) if constrained else None
+        allowed = None
+        if self._grammars is not None:  # only once a constrained row has started
+            constrained = [(n, self.rows[slot].matcher) for n, slot in enumerate(slots) if self.rows[slot].matcher is not None]
+            allowed = self._grammars.allowed(constrained, logits.shape[1]) if constrained else None
         for n, slot in enumerate(slots):
             row = self.rows[slot]
             req = row.request
-            if row.plain:
+            if row.plain:  # the path of a row without options, as before they existed
                 token = greedy[n] if req.temperature == 0 else sample(logits[n], req.temperature, req.top_p, row.rng)
-            else:
-                token = self._choose(row, logits[n], allowed[n] if row.matcher is not None else None, greedy[n])
+                row.tokens.append(token)
+                reason = "stop" if token in self.eos else "length" if len(row.tokens) >= req.max_tokens else None
+                if reason is not None:
+                    self._finish(slot, row, reason, None, finished)
+                continue
+            token = self._choose(row, logits[n], allowed[n] if row.matcher is not None else None, greedy[n])
             row.tokens.append(token)
             text = None
             if token in self.eos:
@@ -236,16 +242,20 @@ class Generator:
                 reason = "stop"  # the grammar is complete: nothing but an end may follow
             else:
                 reason = "length" if len(row.tokens) >= req.max_tokens else None
-            if reason is None:
-                continue
-            if text is None:
-                text = self.tokenizer.decode(row.tokens[:-1] if token in self.eos else row.tokens)
-            finished.append(Result(
-                key=req.key, tokens=row.tokens, text=text, finish_reason=reason,
-                prompt_tokens=len(req.prompt_ids), completion_tokens=len(row.tokens), logprobs=row.logprobs,
-            ))
-            self.rows[slot] = None
-            self.decoder.release(slot)
+            if reason is not None:
+                self._finish(slot, row, reason, text, finished)
+
+    def _finish(self, slot: int, row: _Row, reason: str, text: str | None, finished: list[Result]) -> None:
+        """The row's Result (its text decoded without a final end token unless given), and its slot freed."""
+        req = row.request
+        if text is None:
+            text = self.tokenizer.decode(row.tokens[:-1] if row.tokens[-1] in self.eos else row.tokens)
+        finished.append(Result(
+            key=req.key, tokens=row.tokens, text=text, finish_reason=reason,
+            prompt_tokens=len(req.prompt_ids), completion_tokens=len(row.tokens), logprobs=row.logprobs,
+        ))
+        self.rows[slot] = None
+        self.decoder.release(slot)
 
     def _choose(self, row: _Row, logits: np.ndarray, allowed: np.ndarray | None, greedy: int) -> int:
         """The next token of a request with options: penalties, then the grammar's mask, then
