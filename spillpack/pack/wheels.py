@@ -39,6 +39,9 @@ RUNTIME_DEPS = {
     # the newest with a wheel for an older glibc: 1.6.0 (manylinux_2_17), 1.6.1 (manylinux_2_28);
     # 1.7 on need glibc 2.31. 1.6.0's API (one eos token) is the one runtime/engines/grammar_masks.py uses
     "llguidance": "1.6.0",
+    # GGUF models: gguf is pure Python (dequantization in numpy); importing it imports yaml.
+    "gguf": "0.10",
+    "pyyaml": "5.1",
 }
 # Only when the job names an s3:// URI. All pure Python.
 S3_DEPS = {"boto3": "1.28", "botocore": "1.31", "s3transfer": "0.6", "jmespath": "1.0", "python-dateutil": "2.8",
