@@ -22,6 +22,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 @pytest.fixture(autouse=True)
+def fixed_created(monkeypatch):
+    """`run`'s answers carry `created` (when a row was answered); tests that compare two jobs'
+    output bytes fix it, as SOURCE_DATE_EPOCH does for reproducible builds."""
+    if "SOURCE_DATE_EPOCH" not in os.environ:
+        monkeypatch.setenv("SOURCE_DATE_EPOCH", "1767225600")
+
+
+@pytest.fixture(autouse=True)
 def no_cloud_metadata(monkeypatch):
     """Jobs in tests look for a cloud's preemption notice (--preemption-notice auto) on a
     closed loopback port, never on the real link-local metadata address."""
@@ -78,7 +86,8 @@ def clean_env(home: Path, extra=None) -> dict:
     (home.parent / "tmp").mkdir(parents=True, exist_ok=True)
     return {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": str(home.parent), "SPILLPACK_HOME": str(home),
             "TMPDIR": str(home.parent / "tmp"),
-            "SPILLPACK_METADATA_URL": os.environ.get("SPILLPACK_METADATA_URL", "http://127.0.0.1:9"), **(extra or {})}
+            "SPILLPACK_METADATA_URL": os.environ.get("SPILLPACK_METADATA_URL", "http://127.0.0.1:9"),
+            **({"SOURCE_DATE_EPOCH": os.environ["SOURCE_DATE_EPOCH"]} if "SOURCE_DATE_EPOCH" in os.environ else {}), **(extra or {})}
 
 
 def run_cli(args, env=None, timeout=300, **kw) -> subprocess.CompletedProcess:

@@ -38,13 +38,13 @@ def test_parse_rows_per_row_errors_and_fatal_ones():
         b'{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}}',
         b'{"custom_id": "b", "prompt": "hello"}',
         b'{"custom_id": "c", "body": {"max_tokens": 3}}',
-        b'{"custom_id": "d", "body": {"messages": [{"role": "user", "content": "x"}], "logprobs": true}}',
+        b'{"custom_id": "d", "body": {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}}',
         b'{"custom_id": "e", "body": {"messages": [{"role": "user", "content": "x"}], "temperature": -1}}',
     ])
     rows = parse_rows(raw, "in.jsonl", 8, 0.0, 1.0, 0)
     assert [r.error is None for r in rows] == [True, True, False, False, False]
     assert rows[0].max_tokens == 3 and rows[1].max_tokens == 8 and rows[1].messages == [{"role": "user", "content": "hello"}]
-    assert "missing" in rows[2].error and "logprobs" in rows[3].error and "temperature" in rows[4].error
+    assert "missing" in rows[2].error and "logit_bias" in rows[3].error and rows[3].error_param == "logit_bias" and "temperature" in rows[4].error
     with pytest.raises(SpillpackError, match="appears twice"):
         parse_rows(b'{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y"}', "in.jsonl", 8, 0, 1, 0)
     with pytest.raises(SpillpackError, match="line 2 has no custom_id"):

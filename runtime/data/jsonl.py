@@ -69,9 +69,10 @@ def bounded_lines(chunks, uri: str, try_: str) -> bytes:
     return bytes(buf)
 
 
-def iter_jsonl(raw: bytes, uri: str):
+def iter_jsonl(raw: bytes, uri: str, nonfinite: bool = False):
     """(line number, object) for each non-blank line; a bad line is one error naming it. `raw`
-    comes from read_bytes, which bounds its lines."""
+    comes from read_bytes, which bounds its lines. `nonfinite`: NaN and Infinity, which Python's
+    json.dumps writes, are read as floats, so the row that carries one is refused by its own checks."""
     if not raw.strip():
         raise SpillpackError(f"{uri} is empty", f"head {uri}")
     for n, line in enumerate(raw.splitlines(), 1):
@@ -80,7 +81,24 @@ def iter_jsonl(raw: bytes, uri: str):
         try:
             obj = orjson.loads(line)
         except orjson.JSONDecodeError as e:
-            raise SpillpackError(f"{uri} line {n} is not JSON ({str(e).split(':')[0]})", f"sed -n {n}p {uri}")
+            obj = _with_nonfinite(line) if nonfinite else None
+            if obj is None:
+                raise SpillpackError(f"{uri} line {n} is not JSON ({str(e).split(':')[0]})", f"sed -n {n}p {uri}")
         if not isinstance(obj, dict):
             raise SpillpackError(f"{uri} line {n} is not a JSON object", f"sed -n {n}p {uri}")
         yield n, obj
+
+
+def _with_nonfinite(line: bytes):
+    """The line as Python's json reads it, only where orjson's one objection is NaN or Infinity
+    (not lone surrogates, which Python's json would let through)."""
+    import json
+
+    if b"NaN" not in line and b"Infinity" not in line:
+        return None
+    try:
+        obj = json.loads(line)
+        orjson.dumps(obj)  # refuses what orjson refuses besides the constants
+    except (ValueError, RecursionError, TypeError, orjson.JSONEncodeError):
+        return None
+    return obj

@@ -9,6 +9,13 @@ What touches the model is a `Decoder`, one per engine (runtime/engines/<engine>/
 made by a model's `make_decoder(slots, max_len)`). It returns numpy float32 logits, so
 sampling and the greedy argmax are this module's, the same code on every engine: the same
 logits give the same tokens on torch and on MLX.
+
+A request may also carry OpenAI's per-request options, all applied here to the numpy logits:
+`presence_penalty` / `frequency_penalty` (subtracted from the logits before sampling),
+`grammar` (an llguidance grammar from response_format: each step's logits are masked to the
+tokens it allows), `stop` strings (the row ends at the first occurrence in its decoded text)
+and `logprobs` (of the model's own distribution, before penalties and masks). A request with
+none of them takes the plain path, unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +39,16 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: str | None = None  # llguidance grammar text (runtime/data/grammars.py)
+
+    @property
+    def plain(self) -> bool:
+        return not (self.stop or self.logprobs or self.presence_penalty or self.frequency_penalty or self.grammar)
 
 
 @dataclass
@@ -42,6 +59,7 @@ class Result:
     finish_reason: str  # "stop" (an eos token) or "length" (max_tokens)
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list | None = None  # OpenAI's choices[0].logprobs.content, when the request asked
 
 
 class Decoder(Protocol):
@@ -66,6 +84,27 @@ class _Row:
     request: Request
     rng: np.random.Generator | None
     tokens: list[int] = field(default_factory=list)
+    plain: bool = True
+    counts: dict[int, int] = field(default_factory=dict)  # completion token -> times generated (penalties)
+    matcher: object = None  # llguidance.LLMatcher, when the request has a grammar
+    logprobs: list | None = None
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def penalize(logits: np.ndarray, counts: dict[int, int], presence: float, frequency: float) -> np.ndarray:
+    """OpenAI's penalties: logit[j] -= count[j] * frequency + (count[j] > 0) * presence, over the
+    tokens generated so far (not the prompt's). float64, as sampling is."""
+    x = np.array(logits, dtype=np.float64)
+    if counts:
+        ids = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+        c = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
+        x[ids] -= c * frequency + presence
+    return x
 
 
 def request_generator(seed: int, key: str) -> np.random.Generator:
@@ -109,6 +148,8 @@ class Generator:
         self.rows: list[_Row | None] = [None] * self.slots
         self.pending: deque[Request] = deque()
         self.eos = tokenizer.eos_token_ids
+        self._grammars = None  # runtime/engines/grammar_masks.py, made for the first constrained row
+        self._token_bytes = None  # id -> bytes, made for the first row that asks for logprobs
 
     def add(self, request: Request) -> None:
         if len(request.prompt_ids) == 0:
@@ -143,7 +184,7 @@ class Generator:
             for group in self._prefill_groups(starting):
                 slots = [free.pop(0) for _ in group]
                 for slot, req in zip(slots, group):
-                    self.rows[slot] = _Row(req, request_generator(req.seed, req.key) if req.temperature > 0 else None)
+                    self.rows[slot] = self._start_row(req)
                 self._push(slots, self.decoder.prefill(slots, [r.prompt_ids for r in group]), finished)
         return finished
 
@@ -160,25 +201,109 @@ class Generator:
             groups.append([req])
         return groups
 
+    def _start_row(self, req: Request) -> _Row:
+        row = _Row(req, request_generator(req.seed, req.key) if req.temperature > 0 else None, plain=req.plain)
+        if req.grammar is not None:
+            if self._grammars is None:
+                from runtime.engines.grammar_masks import Grammars
+
+                self._grammars = Grammars(self.tokenizer)
+            row.matcher = self._grammars.matcher(req.grammar)
+        if req.logprobs:
+            row.logprobs = []
+        return row
+
     def _push(self, slots: list[int], logits: np.ndarray, finished: list[Result]) -> None:
         """Each slot's next token from its row of (n, V) logits; finished rows leave their slots."""
         # Greedy rows take one argmax over the batch, sampled rows draw their own.
         greedy = logits.argmax(-1).tolist()
+        allowed = None
+        if self._grammars is not None:  # only once a constrained row has started
+            constrained = [(n, self.rows[slot].matcher) for n, slot in enumerate(slots) if self.rows[slot].matcher is not None]
+            allowed = self._grammars.allowed(constrained, logits.shape[1]) if constrained else None
         for n, slot in enumerate(slots):
             row = self.rows[slot]
             req = row.request
-            token = greedy[n] if req.temperature == 0 else sample(logits[n], req.temperature, req.top_p, row.rng)
-            row.tokens.append(token)
-            reason = "stop" if token in self.eos else "length" if len(row.tokens) >= req.max_tokens else None
-            if reason is None:
+            if row.plain:  # the path of a row without options, as before they existed
+                token = greedy[n] if req.temperature == 0 else sample(logits[n], req.temperature, req.top_p, row.rng)
+                row.tokens.append(token)
+                reason = "stop" if token in self.eos else "length" if len(row.tokens) >= req.max_tokens else None
+                if reason is not None:
+                    self._finish(slot, row, reason, None, finished)
                 continue
-            text_ids = row.tokens[:-1] if reason == "stop" else row.tokens
-            finished.append(Result(
-                key=req.key, tokens=row.tokens, text=self.tokenizer.decode(text_ids), finish_reason=reason,
-                prompt_tokens=len(req.prompt_ids), completion_tokens=len(row.tokens),
-            ))
-            self.rows[slot] = None
-            self.decoder.release(slot)
+            token = self._choose(row, logits[n], allowed[n] if row.matcher is not None else None, greedy[n])
+            row.tokens.append(token)
+            text = None
+            if token in self.eos:
+                reason = "stop"
+            elif req.stop and (text := self._stopped_text(row)) is not None:
+                reason = "stop"
+            elif row.matcher is not None and row.matcher.is_stopped():
+                reason = "stop"  # the grammar is complete: nothing but an end may follow
+            else:
+                reason = "length" if len(row.tokens) >= req.max_tokens else None
+            if reason is not None:
+                self._finish(slot, row, reason, text, finished)
+
+    def _finish(self, slot: int, row: _Row, reason: str, text: str | None, finished: list[Result]) -> None:
+        """The row's Result (its text decoded without a final end token unless given), and its slot freed."""
+        req = row.request
+        if text is None:
+            text = self.tokenizer.decode(row.tokens[:-1] if row.tokens[-1] in self.eos else row.tokens)
+        finished.append(Result(
+            key=req.key, tokens=row.tokens, text=text, finish_reason=reason,
+            prompt_tokens=len(req.prompt_ids), completion_tokens=len(row.tokens), logprobs=row.logprobs,
+        ))
+        self.rows[slot] = None
+        self.decoder.release(slot)
+
+    def _choose(self, row: _Row, logits: np.ndarray, allowed: np.ndarray | None, greedy: int) -> int:
+        """The next token of a request with options: penalties, then the grammar's mask, then
+        argmax or sampling; its logprobs from the unmodified logits."""
+        req = row.request
+        x = logits
+        if req.presence_penalty or req.frequency_penalty:
+            x = penalize(x, row.counts, req.presence_penalty, req.frequency_penalty)
+        if allowed is not None:
+            x = np.where(allowed, x, -np.inf)
+            if not allowed.any():  # the grammar allows nothing (its own error): end the row
+                x = np.where(np.isin(np.arange(len(x)), list(self.eos)), 0.0, -np.inf)
+        if x is logits:
+            token = greedy if req.temperature == 0 else sample(x, req.temperature, req.top_p, row.rng)
+        else:
+            token = int(np.argmax(x)) if req.temperature == 0 else sample(x, req.temperature, req.top_p, row.rng)
+        row.counts[token] = row.counts.get(token, 0) + 1
+        if row.matcher is not None and token not in self.eos:
+            row.matcher.consume_token(token)
+        if row.logprobs is not None and token not in self.eos:
+            row.logprobs.append(self._logprob_entry(logits, token, req.top_logprobs))
+        return token
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        if self._token_bytes is None:
+            from runtime.models.token_bytes import byte_table
+
+            self._token_bytes = byte_table(self.tokenizer.backend)
+        raw = self._token_bytes[token] if token < len(self._token_bytes) and self._token_bytes[token] is not None else b""
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def _logprob_entry(self, logits: np.ndarray, token: int, top: int) -> dict:
+        """OpenAI's ChatCompletionTokenLogprob: the chosen token and the `top` most likely ones."""
+        lp = log_softmax(logits)
+        entry = self._entry(token, float(lp[token]))
+        best = []
+        if top:
+            candidates = np.argpartition(-lp, top - 1)[:top] if top < len(lp) else np.arange(len(lp))
+            best = sorted(candidates.tolist(), key=lambda i: (-lp[i], i))[:top]
+        entry["top_logprobs"] = [self._entry(i, float(lp[i])) for i in best]
+        return entry
+
+    def _stopped_text(self, row: _Row) -> str | None:
+        """The completion cut before its first stop string, once one has appeared; else None.
+        The decoded text is searched, so a stop string may span tokens and end mid-token."""
+        text = self.tokenizer.decode(row.tokens)
+        hits = [i for s in row.request.stop if (i := text.find(s)) >= 0]
+        return text[:min(hits)] if hits else None
 
 
 def generate(model, tokenizer, prompts, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,

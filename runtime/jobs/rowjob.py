@@ -30,7 +30,7 @@ from runtime.engines.generation import Request
 from runtime.jobs import estimate, shards
 from runtime.jobs.sizing import plan_rows
 from runtime.models.ref import local_path, resolve_model
-from runtime.data.rows import Row, encode_rows, error_line, ok_line, parse_rows
+from runtime.data.rows import Row, encode_rows, error_line, ok_line, parse_rows, system_fingerprint
 from runtime.state.uri import check_output, uri_exists, write_uri
 from runtime.models.tokenizer import Tokenizer
 from runtime.base.threads import start_fields
@@ -267,6 +267,7 @@ class RowsWork:
         self.last_commit = time.monotonic()
         self.gen = None
         self._results = []
+        self.fingerprint = system_fingerprint(state.identity.get("model"), state.identity.get("adapter"))
 
     @property
     def done(self) -> int:
@@ -282,7 +283,9 @@ class RowsWork:
                                     max_len=max(len(r.prompt_ids) + r.max_tokens for r in self.todo))
         self.by_id = {r.custom_id: r for r in self.todo}
         for r in self.todo:
-            self.gen.add(Request(r.custom_id, r.prompt_ids, r.max_tokens, r.temperature, r.top_p, r.seed))
+            self.gen.add(Request(r.custom_id, r.prompt_ids, r.max_tokens, r.temperature, r.top_p, r.seed, stop=r.stop,
+                                 logprobs=r.logprobs, top_logprobs=r.top_logprobs, presence_penalty=r.presence_penalty,
+                                 frequency_penalty=r.frequency_penalty, grammar=r.grammar))
         self.new_tokens, self.generated, self.t_gen = 0, 0, time.perf_counter()
 
     def remaining(self) -> bool:
@@ -301,7 +304,7 @@ class RowsWork:
             if limit is not None and len(self.lines) >= limit:
                 break  # --stop-after N is N rows exactly: rows finished past it are generated again on the next run
             row = self.by_id[res.key]
-            self._record(row.custom_id, ok_line(row, res, self.model_ref, self.job_key))
+            self._record(row.custom_id, ok_line(row, res, self.model_ref, self.job_key, self.fingerprint))
             self.new_tokens += res.completion_tokens
             self.generated += 1
             elapsed = time.perf_counter() - self.t_gen

@@ -126,6 +126,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @property
+    def backend(self):
+        """The `tokenizers` Tokenizer itself (its vocabulary, for logprobs' bytes and grammars)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, adding no BOS/EOS (chat templates write those themselves)."""
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -35,6 +35,10 @@ RUNTIME_DEPS = {
     "jinja2": "3.1",
     "markupsafe": "2.1",
     "tomli-w": "1.0",
+    # response_format's constrained decoding; abi3 wheels, imported only by rows that ask for it.
+    # the newest with a wheel for an older glibc: 1.6.0 (manylinux_2_17), 1.6.1 (manylinux_2_28);
+    # 1.7 on need glibc 2.31. 1.6.0's API (one eos token) is the one runtime/engines/grammar_masks.py uses
+    "llguidance": "1.6.0",
     # GGUF models: gguf is pure Python (dequantization in numpy); importing it imports yaml.
     "gguf": "0.10",
     "pyyaml": "5.1",
