@@ -62,12 +62,13 @@ def build_parser(extra: dict | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) -> int:
     """`bundle`: the runtime.bootstrap.Bundle this process runs from (run.sh), else None."""
-    install_process_handler()  # the entry points did already, before their imports; a library caller gets it here
+    handler = install_process_handler()  # the entry points did already, before their imports; a library caller gets it here
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     command = next((a for a in argv if not a.startswith("-")), None)
     events = _events(argv)
     try:
+        handler.start_up()  # a stop before a job opens its state abandons whatever start-up is doing: 75 at once
         parser = build_parser(extra)
         if not argv:
             parser.print_help(sys.stderr)
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) 
         err = SpillpackError(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "),
                              f"spillpack {' '.join(argv)} --debug, and report the traceback")
         return _fail(err, events, debug)
+    finally:
+        handler.started()  # the command is over: a stop now leaves its exit code alone
 
 
 def invocation(command: str, ns: dict, headless: bool = False, bundle=None) -> Invocation:

@@ -12,12 +12,13 @@ import numpy as np
 import orjson
 
 from runtime.data.messages import normalize
-from runtime.errors import SpillpackError
+from runtime.errors import SpillpackError, UsageError
 from runtime.fileio import sha256_bytes
 from runtime.state.store import local_file, open_store
 
 # One JSONL line is one conversation or request: a longer line is not data of ours.
 MAX_LINE_BYTES = 16 << 20
+STEPS_MAX = 2**63 - 1  # the step count a state's records hold (runtime.config.options.INT_MAX)
 CHUNK_BYTES = 1 << 20  # data is read in pieces this size (at most MAX_LINE_BYTES: bounded_lines relies on it)
 
 
@@ -185,7 +186,11 @@ class BatchOrder:
     def steps_for(self, steps: int | None, epochs: float | None) -> int:
         if steps is not None:
             return steps
-        return max(1, math.ceil((epochs or 1.0) * self.per_epoch))
+        want = (epochs or 1.0) * self.per_epoch
+        if not want <= STEPS_MAX:  # inf too
+            raise UsageError(f"--epochs {epochs:g} is {want:.3g} steps of {self.effective} examples, more than the {STEPS_MAX} "
+                             "a job counts", "spillpack tune ... --epochs 1, or --steps N")
+        return max(1, min(STEPS_MAX, math.ceil(want)))
 
     def step_examples(self, step: int) -> list[int]:
         epoch, i = divmod(step, self.per_epoch)
