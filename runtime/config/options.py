@@ -24,6 +24,8 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 # A whole number a job counts with is at most this, unless its option says otherwise: the
 # state's records (JSON through orjson) and numpy/torch counters hold 64-bit integers.
 INT_MAX = 2**63 - 1
+# The most shards a job splits into: one worker each, and Kubernetes' limit on an Indexed Job's completions.
+SHARDS_MAX = 100_000
 SEED_MAX = 2**64 - 1  # a seed is any unsigned 64-bit value (torch.manual_seed's range)
 
 
@@ -184,7 +186,7 @@ TUNE = (
 # Sharding (docs/commands.md, "Shards"): N is part of the job, I is which part this process does.
 SHARDING = (
     Opt("shards", 1, int, help="split the rows into N contiguous shards, one worker each; the last to finish merges", min=1,
-        metavar="N"),
+        max=SHARDS_MAX, metavar="N"),
     Opt("shard", None, int, per_run=True, min=0, metavar="I",
         help="the shard this process does (default: SPILLPACK_SHARD, else the scheduler's array index: SLURM_ARRAY_TASK_ID "
              "- SLURM_ARRAY_TASK_MIN, JOB_COMPLETION_INDEX, SKYPILOT_NODE_RANK); none: only complete the merge"),
