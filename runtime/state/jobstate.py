@@ -231,9 +231,11 @@ class JobState:
 
     # -- checkpoints -------------------------------------------------------------------
 
-    def latest_checkpoint(self) -> Commit | None:
+    def latest_checkpoint(self, agrees=None) -> Commit | None:
+        """The newest complete checkpoint; `agrees(commit)`, when given, also holds the record to
+        what its files say (a record edited by hand is passed over, as a torn one is)."""
         for c in reversed(self._commits()):
-            if c.kind == "checkpoint" and self._complete(c):
+            if c.kind == "checkpoint" and self._complete(c) and (agrees is None or agrees(c)):
                 return c
         return None
 
