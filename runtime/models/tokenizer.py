@@ -44,11 +44,19 @@ def _ids(value) -> list[int]:
     return [value] if isinstance(value, int) else [int(v) for v in value]
 
 
+# A render's bounds: items all its range() calls may yield together, and characters it may
+# write. A real template renders a conversation in a few kilobytes with no range() to speak of.
+RANGE_BUDGET = 100_000
+OUTPUT_MAX = 64 << 20
+
+
 def compile_template(source: str):
-    """The Jinja environment of transformers' chat templates: sandboxed, trim/lstrip blocks."""
+    """The Jinja environment of transformers' chat templates: sandboxed, trim/lstrip blocks, and
+    bounded work (runtime.models.template_sandbox)."""
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from runtime.models.template_sandbox import BoundedSandbox
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -60,7 +68,7 @@ def compile_template(source: str):
     def strftime_now(format):
         return datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = BoundedSandbox(RANGE_BUDGET, OUTPUT_MAX, trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -142,11 +150,11 @@ class Tokenizer:
 
         variables = {**TEMPLATE_DEFAULTS, **kwargs}
         try:
-            return self._template.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            return self._template.environment.render_bounded(
+                self._template, messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
                 **self.special_tokens, **variables
             )
-        except jinja2.exceptions.TemplateError as e:
+        except (jinja2.exceptions.TemplateError, OverflowError, RecursionError, MemoryError) as e:
             raise SpillpackError(f"the chat template of {self.path} refused the conversation: {e}", "check the roles and order of the messages")
 
     def encode_prompt(self, messages: list[dict], **kwargs) -> list[int]:
