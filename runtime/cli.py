@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from runtime import __version__, launch
 from runtime.config.commands import COMMANDS, options_for
@@ -115,12 +116,15 @@ def invocation(command: str, ns: dict, headless: bool = False, bundle=None) -> I
 
 def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str] | None = None) -> int:
     emit_path = ns.pop("emit_config", None)
+    force = ns.pop("force", False)
     debug = bool(ns.get("debug"))
     plan = ns.pop("plan", False)
     if bundle is not None and "state" not in ns and os.environ.get("SPILLPACK_STATE"):
         # One bundle, many runs: the launch names the state; --state on run.sh's command line still wins.
         ns["state"] = os.environ["SPILLPACK_STATE"]
-    inv = invocation(command, ns, events.headless)
+    if emit_path:
+        check_emit_path(command, emit_path, force)
+    inv = invocation(command, ns, events.headless, bundle)  # a bundle's files/job.json is checked against its manifest as it is read
     if emit_path:
         from runtime.models.ref import check_model_tags
 
@@ -140,6 +144,18 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
         inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)
     module = importlib.import_module(COMMANDS[command].module)
     return (module.plan_only(inv, events) if plan else module.main(inv, events)).code
+
+
+def check_emit_path(command: str, path: str, force: bool) -> None:
+    """--emit-config never replaces a file unless --force (it could be the job's own data), and
+    never writes into a directory's name."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--emit-config {path} is a directory; it takes the name of the config file to write",
+                         f"spillpack {command} ... --emit-config {path.rstrip('/')}/job.json")
+    if p.exists() and not force:
+        raise UsageError(f"{path} already exists; --emit-config never overwrites a file",
+                         f"spillpack {command} ... --emit-config {path} --force, or another file name")
 
 
 def _events(argv: list[str]) -> Events:

@@ -139,7 +139,9 @@ def _num(x) -> str:
 # Options every job command takes (docs/commands.md).
 SHARED = (
     Opt("config", None, help="load the job from a config file written by --emit-config", in_config=False, metavar="FILE"),
-    Opt("emit_config", None, help="write the fully resolved job to FILE (.json or .toml) and exit", in_config=False, metavar="FILE"),
+    Opt("emit_config", None, help="write the fully resolved job to FILE (.json or .toml) and exit; an existing FILE is refused "
+                                  "unless --force", in_config=False, metavar="FILE"),
+    Opt("force", False, flag=True, in_config=False, help="with --emit-config: replace FILE when it exists"),
     Opt("name", None, help="the job's name (default: derived from the command and its data)"),
     Opt("state", None, help="where the job keeps its state: a path, file:// or s3:// URI (default: SPILLPACK_HOME/jobs/NAME)", metavar="URI"),
     Opt("weights", None, help="where the model's weights are: a path, file:// or s3:// URI", metavar="URI"),

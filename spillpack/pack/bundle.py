@@ -31,7 +31,18 @@ RUN_SH = """\
 trap 'exit 75' TERM HUP INT
 command={command}
 want={python}
-here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd -P) || exit 1
+# Where this script really is: $0 may be a symlink to it (or a chain of them), and the bundle's
+# files lie beside the script, not beside the link.
+self=$0 hops=0
+while [ -h "$self" ] && [ "$hops" -lt 40 ]; do  # 40: the kernel's own bound on a chain of links
+  hops=$((hops + 1))
+  link=$(readlink -- "$self") || break
+  case $link in
+    /*) self=$link ;;
+    *) self=$(dirname -- "$self")/$link ;;
+  esac
+done
+here=$(CDPATH= cd -- "$(dirname -- "$self")" && pwd -P) || exit 1
 # The bundle's own files first: a partial copy is one line here, not Python's traceback later.
 for f in spillpack.pyz MANIFEST.json files/job.json; do
   if [ ! -f "$here/$f" ]; then
