@@ -75,6 +75,13 @@ def compile_template(source: str):
     return env.from_string(source)
 
 
+def trained(message: dict) -> bool:
+    """Whether a message's tokens are trained: an assistant turn, unless OpenAI's fine-tuning
+    format gives it "weight": 0 (1, or no weight, trains it)."""
+    return message.get("role") == "assistant" and message.get("weight", 1) != 0
+
+
+
 class Tokenizer:
     def __init__(self, tokenizer, tokenizer_config: dict, config: dict, generation_config: dict, chat_template: str | None, path: Path):
         self._tok = tokenizer
@@ -165,7 +172,8 @@ class Tokenizer:
         """Token ids of a whole conversation and a loss mask over them.
 
         The mask is 1 on each assistant turn's content and its end-of-turn token, 0 on
-        everything the template adds around it (system prompt, headers, user turns).
+        everything the template adds around it (system prompt, headers, user turns) and on an
+        assistant turn with OpenAI's "weight": 0.
         The rendering is cut after each message; what each cut adds is tokenized on its
         own, so every token is known to come from one message.
 
@@ -188,7 +196,7 @@ class Tokenizer:
             full = self.apply_chat_template(messages[: i + 1], **kwargs)
             if not full.startswith(done):
                 return self._mask_by_content(messages, kwargs)
-            pieces.append((full[len(done):], message.get("role") == "assistant"))
+            pieces.append((full[len(done):], trained(message)))
             done = full
         ids, mask = [], []
         for text, trained in pieces:
@@ -222,7 +230,8 @@ class Tokenizer:
             end = start + len(content)
             while end < len(text) and text[end].isspace():  # the content's own trailing whitespace, or glue
                 end += 1  # before its end-of-turn token (trained either way in the prefix-stable path)
-            spans.append((start, end))
+            if trained(message):  # found either way, so the next turn is looked for after it
+                spans.append((start, end))
             pos = end
         enc = self._tok.encode(text, add_special_tokens=False)
         mask = [1 if any(s < b and e > a for a, b in spans) else 0 for s, e in enc.offsets]
