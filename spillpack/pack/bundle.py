@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from runtime.bootstrap.manifest import MANIFEST, FileEntry, Manifest
-from runtime.fileio import sha256_bytes, sha256_file
+from runtime.fileio import naming, sha256_bytes, sha256_file
 
 from ..quoting import comment, sh
 
@@ -90,7 +90,7 @@ def copy_hashed(src: Path, dest: Path, on_chunk=lambda n: None) -> tuple[int, st
     dest.parent.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
     size = 0
-    with open(src, "rb") as fi, open(dest, "wb") as fo:
+    with naming(dest), open(src, "rb") as fi, open(dest, "wb") as fo:
         while chunk := fi.read(CHUNK):
             h.update(chunk)
             fo.write(chunk)
@@ -101,7 +101,8 @@ def copy_hashed(src: Path, dest: Path, on_chunk=lambda n: None) -> tuple[int, st
 
 def write_hashed(dest: Path, data: bytes, mode: int = 0o644) -> tuple[int, str]:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_bytes(data)
+    with naming(dest):
+        dest.write_bytes(data)
     os.chmod(dest, mode)
     return len(data), sha256_bytes(data)
 
@@ -137,7 +138,8 @@ class Writer:
         self.entries[rel] = FileEntry(path.stat().st_size, sha256_file(path), origin)
 
     def finish(self, manifest: Manifest) -> None:
-        (self.tmp / MANIFEST).write_bytes(replace(manifest, files=dict(self.entries)).to_json())
+        with naming(self.tmp / MANIFEST):
+            (self.tmp / MANIFEST).write_bytes(replace(manifest, files=dict(self.entries)).to_json())
         if self.out.exists():  # appeared while we were packing
             raise FileExistsError(str(self.out))
         os.rename(self.tmp, self.out)
