@@ -15,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from runtime.config.options import NPROC_MAX
 from runtime.core import ranks
 from runtime.errors import SpillpackError
 
@@ -99,8 +100,8 @@ def processes_per_node(option: int | None, env=None) -> int:
     if option is not None:
         return option
     n = _int(env, "SPILLPACK_NPROC", 1)
-    if n < 1:
-        raise SpillpackError(f"SPILLPACK_NPROC must be positive, not {n}", "export SPILLPACK_NPROC=2")
+    if not 1 <= n <= NPROC_MAX:
+        raise SpillpackError(f"SPILLPACK_NPROC must be from 1 to {NPROC_MAX}, not {n}", "export SPILLPACK_NPROC=2")
     return n
 
 

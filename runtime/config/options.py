@@ -26,6 +26,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 INT_MAX = 2**63 - 1
 # The most shards a job splits into: one worker each, and Kubernetes' limit on an Indexed Job's completions.
 SHARDS_MAX = 100_000
+NPROC_MAX = 1024  # data-parallel processes on one machine: one per GPU, or per CPU at the most
 SEED_MAX = 2**64 - 1  # a seed is any unsigned 64-bit value (torch.manual_seed's range)
 
 
@@ -181,7 +182,7 @@ TUNE = (
     Opt("ckpt_every", 50, int, help="commit a checkpoint every N steps", min=1),
     Opt("out", None, help="also write the adapter here", metavar="DIR"),
     Opt("merge", False, flag=True, help="also write merged full weights as a Hugging Face model directory"),
-    Opt("nproc", None, int, per_run=True, min=1,
+    Opt("nproc", None, int, per_run=True, min=1, max=NPROC_MAX,
         help="data-parallel processes on this machine, one per GPU (default: SPILLPACK_NPROC, else 1); started through torchrun's launcher"),
 )
 
