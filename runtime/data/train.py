@@ -14,7 +14,7 @@ import orjson
 from runtime.data.messages import normalize, weight_problem
 from runtime.errors import SpillpackError, UsageError
 from runtime.fileio import sha256_bytes
-from runtime.models.tokenizer import trained
+from runtime.models.tokenizer import is_trained
 from runtime.state.store import local_file, open_store
 
 # One JSONL line is one conversation or request: a longer line is not data of ours.
@@ -104,7 +104,7 @@ def chat_messages(obj: dict, n: int, uri: str) -> list[dict]:
         problem = problem or weight_problem(messages)
         if problem:
             raise SpillpackError(f"{uri} line {n}: {problem}", f"sed -n {n}p {uri}")
-        if not any(trained(m) and m["content"] for m in messages):
+        if not any(is_trained(m) and m["content"] for m in messages):
             raise SpillpackError(f"{uri} line {n} has no assistant content to learn from", f"sed -n {n}p {uri}")
         return messages
     if "prompt" in obj and "completion" in obj:

@@ -75,7 +75,7 @@ def compile_template(source: str):
     return env.from_string(source)
 
 
-def trained(message: dict) -> bool:
+def is_trained(message: dict) -> bool:
     """Whether a message's tokens are trained: an assistant turn, unless OpenAI's fine-tuning
     format gives it "weight": 0 (1, or no weight, trains it)."""
     return message.get("role") == "assistant" and message.get("weight", 1) != 0
@@ -196,7 +196,7 @@ class Tokenizer:
             full = self.apply_chat_template(messages[: i + 1], **kwargs)
             if not full.startswith(done):
                 return self._mask_by_content(messages, kwargs)
-            pieces.append((full[len(done):], trained(message)))
+            pieces.append((full[len(done):], is_trained(message)))
             done = full
         ids, mask = [], []
         for text, trained in pieces:
@@ -230,7 +230,7 @@ class Tokenizer:
             end = start + len(content)
             while end < len(text) and text[end].isspace():  # the content's own trailing whitespace, or glue
                 end += 1  # before its end-of-turn token (trained either way in the prefix-stable path)
-            if trained(message):  # found either way, so the next turn is looked for after it
+            if is_trained(message):  # found either way, so the next turn is looked for after it
                 spans.append((start, end))
             pos = end
         enc = self._tok.encode(text, add_special_tokens=False)
