@@ -269,3 +269,31 @@ def test_pack_on_a_full_disk_names_the_file_it_could_not_write(phome, data, tmp_
                        env={**os.environ, "SPILLPACK_HEADLESS": "1"}, timeout=600, cwd=REPO)
     line = one_line(r, "no space left on the disk of", str(full))
     assert "of a file" not in line
+
+
+def test_a_carried_wheel_that_does_not_match_the_manifest_leaves_nothing_installed(tmp_path):
+    import zipfile
+
+    from runtime.bootstrap.bundle import Bundle
+    from runtime.bootstrap.manifest import FileEntry, Manifest
+    from runtime.bootstrap.wheels import install_wheels
+    from runtime.fileio import sha256_file
+
+    wheels = tmp_path / "wheels" / "tag"
+    wheels.mkdir(parents=True)
+    whl = wheels / "alpha-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("alpha/__init__.py", "NAME = 'alpha'\n")
+    entry = FileEntry(whl.stat().st_size, sha256_file(whl), "test")
+    manifest = Manifest(packer="t", command="tune", name="x", python="3.11", platforms=["tag"], zipapp={}, with_torch="cpu",
+                        files={"wheels/tag/" + whl.name: entry})
+    bundle = Bundle(tmp_path, manifest)
+    check = lambda w: bundle.check_file(f"wheels/tag/{w.name}")
+    install_wheels(wheels, tmp_path / "ok", check)  # the packed wheel installs
+    assert (tmp_path / "ok" / "alpha" / "__init__.py").exists()
+    with zipfile.ZipFile(whl, "w") as z:  # the same name, other bytes
+        z.writestr("alpha/__init__.py", "import os; os.system('touch PWNED')\n")
+    with pytest.raises(SpillpackError) as e:
+        install_wheels(wheels, tmp_path / "bad", check)
+    assert "bundled file wheels/tag/alpha-1.0-py3-none-any.whl" in e.value.line() and "the bundle is damaged" in e.value.line()
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.*"))

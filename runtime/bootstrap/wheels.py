@@ -52,8 +52,8 @@ def install_wheels(wheels: Path, target: Path, check=lambda whl: None) -> None:
     try:
         with handler.setup() if handler else contextlib.nullcontext():
             for whl in sorted(wheels.glob("*.whl")):
-                check(whl)  # a bundled wheel must be the one packed (its manifest entry), before it is unpacked
                 unpack_wheel(whl, tmp)
+                check(whl)  # the one packed (its manifest entry), or the unpacked copy is removed, never used
         (tmp / ".complete").write_text("")
         try:
             os.rename(tmp, target)
