@@ -13,13 +13,15 @@ import sys
 import traceback
 from pathlib import Path
 
-from runtime import __version__, launch
+from runtime import __version__
+from runtime.core import launch
 from runtime.config.commands import COMMANDS, options_for
 from runtime.config.invocation import Invocation, resolve, write_config
-from runtime.core import progress, ranks
+from runtime.base import progress, ranks
 from runtime.core.events import Events, headless_wanted
-from runtime.core.signals import Abandon, install_process_handler
-from runtime.errors import EXIT_PREEMPTED, SpillpackError, UsageError, from_os_error, redact
+from runtime.base.threads import quiet_openmp
+from runtime.base.signals import Abandon, install_process_handler
+from runtime.base.errors import EXIT_PREEMPTED, SpillpackError, UsageError, from_os_error, redact
 
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {
@@ -64,6 +66,7 @@ def build_parser(extra: dict | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) -> int:
     """`bundle`: the runtime.bootstrap.Bundle this process runs from (run.sh), else None."""
     handler = install_process_handler()  # the entry points did already, before their imports; a library caller gets it here
+    quiet_openmp()  # the console script and the zipapp reach torch only through here
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     command = next((a for a in argv if not a.startswith("-")), None)

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, clean_env, events_of, run_cli
 from jobproc import signal_after, start
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 CHAT = [{"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
         for w in ("yes", "no", "maybe", "never", "always", "soon")]
@@ -277,7 +277,7 @@ def test_a_carried_wheel_that_does_not_match_the_manifest_leaves_nothing_install
     from runtime.bootstrap.bundle import Bundle
     from runtime.bootstrap.manifest import FileEntry, Manifest
     from runtime.bootstrap.wheels import install_wheels
-    from runtime.fileio import sha256_file
+    from runtime.base.fileio import sha256_file
 
     wheels = tmp_path / "wheels" / "tag"
     wheels.mkdir(parents=True)

@@ -23,7 +23,7 @@ from jobproc import signal_after, start
 from runtime.cli import build_parser, invocation
 from runtime.config import options as O
 from runtime.config.commands import COMMANDS, options_for
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 CHAT = [{"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
         for w in ("yes", "no", "maybe", "never", "always", "soon")]

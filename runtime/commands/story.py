@@ -202,7 +202,7 @@ def losses(state: JobState) -> list[float]:
     log = state.store.read("adapter/train_log.jsonl")
     if log:
         return [orjson.loads(line)["loss"] for line in log.splitlines() if line.strip()]
-    latest = state.latest_checkpoint()
+    latest = state.checkpoints.latest()
     if latest is None or CHECKPOINT_META not in latest.files:
         return []
     return list(orjson.loads(state.read_file(latest, CHECKPOINT_META)).get("losses") or [])

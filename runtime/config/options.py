@@ -12,10 +12,13 @@ import re
 from dataclasses import dataclass
 
 from runtime.core.notices import MODES as NOTICE_MODES
-from runtime.core.signals import GRACE_MAX_S
+from runtime.base.signals import GRACE_MAX_S
+from runtime.core.launch import NPROC_MAX
 from runtime.engines.hardware import ENGINE_NAMES
-from runtime.errors import SpillpackError
-from runtime.jobs.metrics import METRICS
+from runtime.base.errors import SpillpackError
+
+# eval's scoring rules (runtime/jobs/metrics.py scores each): named here, where --metric is checked.
+METRICS = ("exact_match", "contains", "regex", "json_field")
 
 ENGINES = ("auto", *ENGINE_NAMES)
 GRAD_CHECKPOINT = ("auto", "on", "off")
@@ -26,7 +29,6 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 INT_MAX = 2**63 - 1
 # The most shards a job splits into: one worker each, and Kubernetes' limit on an Indexed Job's completions.
 SHARDS_MAX = 100_000
-NPROC_MAX = 1024  # data-parallel processes on one machine: one per GPU, or per CPU at the most
 SEED_MAX = 2**64 - 1  # a seed is any unsigned 64-bit value (torch.manual_seed's range)
 
 

@@ -24,17 +24,20 @@ from safetensors.numpy import save_file as st_save_file
 
 from runtime.models.lora import LoraSpec, init_tensors, save_adapter
 from runtime.data.train import BatchOrder, collate, load_train_data, rank_rows
-from runtime.engines import OptimSpec, get_engine
+from runtime.engines import OptimSpec
+from runtime.engines.registry import get_engine
 from runtime.core.job import Job, Outcome
 from runtime.engines.hardware import engine_rate
 from runtime.models.ref import resolve_model
-from runtime.core.signals import Abandon
+from runtime.base.signals import Abandon
 from runtime.engines.hardware import choose_engine
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.jobs import estimate
 from runtime.jobs.sizing import plan_tune
-from runtime.state.store import check_output, open_store
+from runtime.state.uri import check_output, open_store
 from runtime.models.tokenizer import Tokenizer
+from runtime.base.threads import start_fields
+from runtime.base.allotment import cpus
 
 CHECKPOINT_TENSORS = "state.safetensors"
 CHECKPOINT_META = "meta.json"
@@ -104,7 +107,7 @@ def main(inv, events) -> Outcome:
         if job.writer:
             job.state.log("plan", **plan.to_dict())
         job.open_engine(engine)
-        latest = job.state.latest_checkpoint(lambda c: checkpoint_agrees(job.state, c)) if job.writer else None
+        latest = job.state.checkpoints.latest(lambda c: checkpoint_agrees(job.state, c)) if job.writer else None
         restored, abandoned = None, False
         try:
             with job.preemption.setup():
@@ -130,7 +133,7 @@ def main(inv, events) -> Outcome:
         rate = engine_rate(job.engine_name)
         est = engine_estimate(model_dir.config, tokens_per_step * max(0, total - work.done), rate["matmul_gflops"])
         events.emit("start", step=work.done, job=o["name"], model=a["model"], placement=f"{job.engine_name}: {job.engine_reason}",
-                    state=job.state_uri, estimated_seconds=est, steps=total, rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
+                    state=job.state_uri, estimated_seconds=est, steps=total, **start_fields(job.engine_name, cpus().count), rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
                     estimated_peak_gb=round(plan.estimate.peak_gb, 3), memory_gb=round(plan.available_gb, 3),
                     memory_from=plan.available_from, micro_batch=plan.micro_batch, grad_checkpoint=plan.grad_checkpoint,
                     message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "
@@ -227,7 +230,7 @@ class TuneWork:
         blob = st_save(self.session.export())
         meta = orjson.dumps({"step": self.done, "hyper": self.identity})
         log = b"".join(orjson.dumps({"step": i + 1, "loss": self.losses[i]}) + b"\n" for i in range(self.committed, self.done))
-        c, seconds = self.job.state.commit_checkpoint(self.done, {CHECKPOINT_TENSORS: blob, CHECKPOINT_META: meta}, log=log)
+        c, seconds = self.job.state.checkpoints.commit(self.done, {CHECKPOINT_TENSORS: blob, CHECKPOINT_META: meta}, log=log)
         self.committed = self.done
         self.job.checkpointed(self.done, self.job.state.commit_uri(c), seconds)
 
@@ -291,11 +294,10 @@ STEP_EFFICIENCY = 0.5
 
 
 def engine_estimate(config: dict, tokens: int, gflops: float) -> float:
-    """Seconds for `tokens` trained tokens: ~4 x params FLOPs a token (forward, and the backward
-    through activations only: the base is frozen) at half the engine's measured matmul rate in
+    """Seconds for `tokens` trained tokens at half the engine's measured matmul rate in
     its own dtype (runtime.engines.hardware.engine_rate). A first guess; the step events'
     eta_s replaces it with the job's own step times."""
-    return round(4 * estimate.params(config) * tokens / (STEP_EFFICIENCY * gflops * 1e9), 1)
+    return estimate.training_seconds(config, tokens, STEP_EFFICIENCY * gflops * 1e9)
 
 
 def _fmt(seconds: float) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import fields
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 DIM_MAX = 2**31 - 1  # a tensor dimension the engines index with int32
 # Whole-number fields that count something and so are at least 1 (the others are at least 0).

@@ -15,11 +15,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from runtime.config.options import NPROC_MAX
-from runtime.core import ranks
-from runtime.errors import SpillpackError
+from runtime.base import ranks
+from runtime.base.errors import SpillpackError
 
 DEFAULT_PORT = 29500
+NPROC_MAX = 1024  # data-parallel processes on one machine: one per GPU, or per CPU at the most
 
 
 @dataclass(frozen=True)

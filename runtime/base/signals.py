@@ -44,7 +44,7 @@ def grace_from_env(strict: bool = False) -> float | None:
     if 0 < value <= GRACE_MAX_S:
         return value
     if strict:
-        from runtime.errors import SpillpackError
+        from runtime.base.errors import SpillpackError
 
         raise SpillpackError(f"SPILLPACK_GRACE_S={raw!r} is not a positive number of seconds up to a year", "export SPILLPACK_GRACE_S=30")
     return None

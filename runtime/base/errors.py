@@ -48,7 +48,7 @@ def from_os_error(e: OSError) -> SpillpackError:
     import errno
     import os
 
-    from runtime.paths import spillpack_home
+    from runtime.base.paths import spillpack_home
 
     # A copy that fails names both files (shutil: the source first): the one that could not be
     # written is the second.
