@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, clean_env, events_of, run_cli
-from jobproc import signal_after, start
+from tests.support.jobproc import signal_after, start
 from runtime.base.errors import SpillpackError
 
 CHAT = [{"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}

@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from conftest import events_of, run_cli
-from jobproc import signal_after, start
+from tests.support.jobproc import signal_after, start
 from runtime.cli import build_parser, invocation
 from runtime.config import options as O
 from runtime.config.commands import COMMANDS, options_for
