@@ -114,7 +114,7 @@ class Merger:
         any one, so the look stops there, however many shards the job has."""
         out = []
         for i in range(self.plan.count):
-            if self.root.shard(i).shards.done() is None:
+            if self.root.shards.shard(i).shards.done() is None:
                 out.append(i)
                 if len(out) > MISSING_LISTED:
                     break
