@@ -60,13 +60,13 @@ def test_a_commit_record_whose_step_was_edited_is_passed_over_and_the_job_contin
 def test_a_commit_record_naming_more_steps_than_its_log_is_passed_over(home, data, tmp_path):
     """The same class, the other way round: the record's step and meta.json agree, the log falls short."""
     from runtime.state.jobstate import JobState
-    from runtime.state.store import open_store
+    from runtime.state.uri import open_store
     from runtime.jobs.tune import checkpoint_agrees
 
     state = tmp_path / "s"
     assert run_cli(["tune", "tiny", data, "--steps", "4", "--ckpt-every", "2", "--state", str(state)]).returncode == 0
     js = JobState(open_store(str(state)), {})
-    commits = js._commits()
+    commits = js.commits()
     assert [checkpoint_agrees(js, c) for c in commits] == [True, True]
     commits[-1].step = 3
     assert not checkpoint_agrees(js, commits[-1])
