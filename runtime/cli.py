@@ -26,6 +26,7 @@ from runtime.base.errors import EXIT_PREEMPTED, SpillpackError, UsageError, from
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {
     "doctor": ("runtime.commands.doctor", "this machine: Python, engines, memory, disk"),
+    "export": ("runtime.commands.export", "a tune's result as GGUF: the merged model (llama.cpp, Ollama) or the LoRA adapter"),
     "resume": ("runtime.commands.resume", "continue an interrupted job from its state, bundle or config"),
     "status": ("runtime.commands.status", "the story of a job from its state: processes, checkpoints, interruptions"),
 }
@@ -132,6 +133,7 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
         from runtime.models.ref import check_model_tags
 
         check_model_tags(inv.arguments, inv.options)  # an unknown tag fails here, not on the cluster
+        pin_store_weights(inv, events)
         write_config(inv, emit_path)
         events.say(f"wrote {emit_path}; run it with: spillpack {command} --config {emit_path}")
         return 0
@@ -159,6 +161,19 @@ def check_emit_path(command: str, path: str, force: bool) -> None:
     if p.exists() and not force:
         raise UsageError(f"{path} already exists; --emit-config never overwrites a file",
                          f"spillpack {command} ... --emit-config {path} --force, or another file name")
+
+
+def pin_store_weights(inv: Invocation, events: Events) -> None:
+    """A model only the local Ollama store holds: its verified GGUF blob becomes the config's --weights,
+    so the config names the file it was resolved to (and pack can carry it, or refuse to leave it behind)."""
+    from runtime.models.ref import store_weights
+
+    pinned = store_weights(inv.arguments, inv.options)
+    if pinned is not None:
+        _, tag, found = pinned
+        inv.options["weights"] = str(found.blob)
+        events.say(f"{tag}: the GGUF of {found.qualified} in the local Ollama store, {found.blob} (SHA-256 checked), "
+                   "recorded as --weights")
 
 
 def _events(argv: list[str]) -> Events:

@@ -22,6 +22,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 from safetensors.numpy import save_file as st_save_file
 
+from runtime.models import gguf_write
 from runtime.models.lora import LoraSpec, init_tensors, save_adapter
 from runtime.data.train import BatchOrder, collate, load_train_data, rank_rows
 from runtime.engines import OptimSpec
@@ -63,6 +64,9 @@ def prepare(inv):
     tensors = init_tensors(model_dir.config, spec, o["seed"])  # validates --targets before any state is touched
     if o.get("out"):
         check_output(o["out"], directory=True)
+    if o.get("gguf"):  # checked before training: an architecture or file GGUF cannot take fails now, not after the last step
+        gguf_write.gguf_arch(model_dir.config)
+        gguf_write.check_gguf_output(o["gguf"], "--gguf", replace=True)
     order = BatchOrder([len(e.ids) for e in data.examples], o["batch"], o["grad_accum"], o["seed"])
     total = order.steps_for(o.get("steps"), o.get("epochs"))
     engine_name, reason = choose_engine(o.get("engine"))
@@ -147,6 +151,8 @@ def main(inv, events) -> Outcome:
         summary = {"steps": work.done, "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None}
         if complete and job.writer:
             summary["adapter"] = write_outputs(job, session, spec, model_dir, a["model"], losses, o)
+            if o.get("gguf"):
+                summary["gguf"] = o["gguf"]
         return job.done(work.done, complete, **summary)
 
 
@@ -260,8 +266,12 @@ def write_outputs(job, session, spec, model_dir, model_ref, losses, o) -> str:
         out = Path(tmp) / "adapter"
         save_adapter(out, session.adapter(), spec, model_ref, model_dir.config["num_hidden_layers"])
         (out / "train_log.jsonl").write_bytes(b"".join(orjson.dumps({"step": i + 1, "loss": l}) + b"\n" for i, l in enumerate(losses)))
-        if o.get("merge"):
-            write_merged(out / "merged", session, model_dir)
+        if o.get("merge") or o.get("gguf"):
+            weights = session.merged_weights()
+            if o.get("merge"):
+                write_merged(out / "merged", session, model_dir, weights)
+            if o.get("gguf"):
+                write_gguf(job, weights, model_dir, o)
         store = job.state.store
         for f in sorted(p for p in out.rglob("*") if p.is_file()):
             store.put_file("adapter/" + str(f.relative_to(out)), f)
@@ -274,18 +284,34 @@ def write_outputs(job, session, spec, model_dir, model_ref, losses, o) -> str:
     return where
 
 
-def write_merged(dest: Path, session, model_dir) -> None:
+def write_merged(dest: Path, session, model_dir, weights: dict | None = None) -> None:
+    """`weights`: the session's merged weights when the caller has them already (--gguf too)."""
     dest.mkdir(parents=True)
-    weights = session.merged_weights()
+    weights = session.merged_weights() if weights is None else weights
     if model_dir.config.get("tie_word_embeddings"):
-        weights.pop("lm_head.weight", None)
+        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
     st_save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+    if model_dir.is_gguf:  # its config and tokenizer written out as a Hugging Face directory's files
+        from runtime.models.gguf.model import hf_files
+
+        for name, data in hf_files(model_dir.path).items():
+            (dest / name).write_bytes(data)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                 "special_tokens_map.json"):
         if (model_dir.path / name).exists():
             shutil.copyfile(model_dir.path / name, dest / name)
     cfg = json.loads((dest / "config.json").read_text())
     cfg["torch_dtype"] = "float32"
     (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def write_gguf(job, weights: dict, model_dir, o: dict) -> None:
+    """--gguf: the merged model as one GGUF file, and the two lines that make it an Ollama model."""
+    info = {}
+    gguf_write.deliver(o["gguf"], lambda p: info.update(gguf_write.write_model(p, weights, model_dir.config, model_dir.path,
+                                                                                o["gguf_type"], name=o["name"])))
+    lines = gguf_write.ollama_lines(o["gguf"], o["name"])
+    job.events.say(f"wrote {o['gguf']} ({info['architecture']}, {info['type']}); to run it in Ollama: " + " && ".join(lines))
 
 
 # The share of the measured matmul rate a LoRA step reaches: attention, norms, the optimizer and
