@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from runtime import __version__
 from runtime.core import launch
@@ -65,13 +66,14 @@ def build_parser(extra: dict | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) -> int:
     """`bundle`: the runtime.bootstrap.Bundle this process runs from (run.sh), else None."""
-    install_process_handler()  # the entry points did already, before their imports; a library caller gets it here
+    handler = install_process_handler()  # the entry points did already, before their imports; a library caller gets it here
     quiet_openmp()  # the console script and the zipapp reach torch only through here
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     command = next((a for a in argv if not a.startswith("-")), None)
     events = _events(argv)
     try:
+        handler.start_up()  # a stop before a job opens its state abandons whatever start-up is doing: 75 at once
         parser = build_parser(extra)
         if not argv:
             parser.print_help(sys.stderr)
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) 
         err = SpillpackError(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "),
                              f"spillpack {' '.join(argv)} --debug, and report the traceback")
         return _fail(err, events, debug)
+    finally:
+        handler.started()  # the command is over: a stop now leaves its exit code alone
 
 
 def invocation(command: str, ns: dict, headless: bool = False, bundle=None) -> Invocation:
@@ -116,12 +120,15 @@ def invocation(command: str, ns: dict, headless: bool = False, bundle=None) -> I
 
 def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str] | None = None) -> int:
     emit_path = ns.pop("emit_config", None)
+    force = ns.pop("force", False)
     debug = bool(ns.get("debug"))
     plan = ns.pop("plan", False)
     if bundle is not None and "state" not in ns and os.environ.get("SPILLPACK_STATE"):
         # One bundle, many runs: the launch names the state; --state on run.sh's command line still wins.
         ns["state"] = os.environ["SPILLPACK_STATE"]
-    inv = invocation(command, ns, events.headless)
+    if emit_path:
+        check_emit_path(command, emit_path, force)
+    inv = invocation(command, ns, events.headless, bundle)  # a bundle's files/job.json is checked against its manifest as it is read
     if emit_path:
         from runtime.models.ref import check_model_tags
 
@@ -142,6 +149,18 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
         inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)
     module = importlib.import_module(COMMANDS[command].module)
     return (module.plan_only(inv, events) if plan else module.main(inv, events)).code
+
+
+def check_emit_path(command: str, path: str, force: bool) -> None:
+    """--emit-config never replaces a file unless --force (it could be the job's own data), and
+    never writes into a directory's name."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--emit-config {path} is a directory; it takes the name of the config file to write",
+                         f"spillpack {command} ... --emit-config {path.rstrip('/')}/job.json")
+    if p.exists() and not force:
+        raise UsageError(f"{path} already exists; --emit-config never overwrites a file",
+                         f"spillpack {command} ... --emit-config {path} --force, or another file name")
 
 
 def pin_store_weights(inv: Invocation, events: Events) -> None:

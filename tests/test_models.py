@@ -175,13 +175,15 @@ def test_corrupt_safetensors(tmp_path):
     assert line.startswith(f"spillpack: {d / 'model.safetensors'} is not a readable safetensors file")
 
 
-def test_truncated_safetensors_fails_at_load(tmp_path):
+def test_truncated_safetensors_is_refused_before_load(tmp_path):
+    """The header is checked against the file first (issue 23): a cut file is refused when the
+    model is resolved, before any tensor is read."""
     d = copy_tiny(tmp_path / "m")
     data = (d / "model.safetensors").read_bytes()
     (d / "model.safetensors").write_bytes(data[: len(data) // 2])  # header intact, tensors cut
     with pytest.raises(SpillpackError) as e:
-        load_model(resolve_model(str(d)))
-    assert f"cannot read {d / 'model.safetensors'}" in error_line(e)
+        resolve_model(str(d))
+    assert f"{d / 'model.safetensors'} is not a readable safetensors file" in error_line(e) and "past the file's" in error_line(e)
 
 
 def test_weights_not_matching_config(tmp_path):

@@ -50,7 +50,10 @@ def from_os_error(e: OSError) -> SpillpackError:
 
     from runtime.base.paths import spillpack_home
 
-    where = e.filename or "a file"
+    # A copy that fails names both files (shutil: the source first): the one that could not be
+    # written is the second.
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    where = (e.filename2 if full and getattr(e, "filename2", None) else e.filename) or "a file"
     home = str(spillpack_home().absolute())
     folder = os.path.dirname(str(where)) or "."
     if e.errno in (errno.ENOSPC, errno.EDQUOT):

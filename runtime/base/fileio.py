@@ -34,8 +34,10 @@ def temp_beside(path: Path, data: bytes | None = None, source: Path | None = Non
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-    except BaseException:
+    except BaseException as e:
         unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # a write that fails (a full disk) names the file it was for
         raise
     return tmp
 
@@ -95,3 +97,14 @@ def file_lock(path: Path):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextmanager
+def naming(path) -> None:
+    """An OSError inside (a write that fails on a full disk carries no file name) names `path`."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise

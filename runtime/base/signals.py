@@ -1,10 +1,11 @@
 """Preemption: SIGTERM, SIGHUP or SIGINT means "commit a checkpoint and exit 75 within the grace".
 
 The handler is installed first thing in the process (`install_process_handler`, called by
-the entry points before any heavy import), so a stop is never the default action's exit 143:
-before the job has opened its state it is only recorded, and the job stops at its next
-check (`check()`, `Job.open`) with nothing written; a download or a load in progress
-(`setup()`) is abandoned at once.
+the entry points before any heavy import), so a stop is never the default action's exit 143.
+From the CLI's `start_up()` until a job opens its state (`Job.open` calls `started()`) nothing needs saving, so a stop
+abandons whatever start-up is doing at once (reading data, planning memory, fetching wheels
+for `pack`), however long that work would have taken (its writes are atomic: whole or absent).
+After that, a download or a load in progress (`setup()`) is abandoned at once.
 
 Inside the job, a stop is asked for between quanta (`stop_requested`). The quantum in flight
 is finished when it fits in the budget (its expected length, from the job's own timings) and
@@ -25,6 +26,7 @@ import time
 from contextlib import contextmanager
 
 PROMISE_S = 30.0  # the default grace: checkpoint committed and exit within 30 seconds
+GRACE_MAX_S = 365 * 86400.0  # a longer grace overflows the alarm that bounds a quantum (runtime.config.options)
 RESERVE_SHARE = 1 / 3  # of the grace, kept for committing the checkpoint after the quantum
 SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)  # SIGHUP: an ssh session dropping
 
@@ -39,12 +41,12 @@ def grace_from_env(strict: bool = False) -> float | None:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if 0 < value < float("inf"):
+    if 0 < value <= GRACE_MAX_S:
         return value
     if strict:
         from runtime.base.errors import SpillpackError
 
-        raise SpillpackError(f"SPILLPACK_GRACE_S={raw!r} is not a positive number of seconds", "export SPILLPACK_GRACE_S=30")
+        raise SpillpackError(f"SPILLPACK_GRACE_S={raw!r} is not a positive number of seconds up to a year", "export SPILLPACK_GRACE_S=30")
     return None
 
 
@@ -65,6 +67,7 @@ class Preemption:
         self._step_started = 0.0
         self._previous = {}
         self._notice_name: str | None = None
+        self.starting = False  # from start_up() until a job opens its state: a stop abandons at once
         self._lock = threading.Lock()  # a notice thread's request never races uninstall()
 
     @property
@@ -119,6 +122,8 @@ class Preemption:
             self.signal_name = name or self._notice_name or signal.Signals(signum).name
             self.t_signal = time.monotonic()
         if not self._in_step:
+            if self.starting:
+                raise Abandon()
             return
         if self.count > 1:
             raise Abandon()
@@ -132,6 +137,16 @@ class Preemption:
     def _on_alarm(self, signum, frame):
         if self._in_step and self.stop_requested:
             raise Abandon()
+
+    def start_up(self) -> None:
+        """The CLI is starting a command (inside its one error handler): a stop from here until a
+        job opens its state abandons at once, one already asked for right now."""
+        self.starting = True
+        self.check()
+
+    def started(self) -> None:
+        """A job is opening its state: from here a stop is answered between quanta, with a commit."""
+        self.starting = False
 
     @contextmanager
     def abandonable(self):

@@ -14,6 +14,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from runtime.bootstrap.bundle import Bundle
 from runtime.bootstrap.manifest import PRIVATE_DIR, WHEELS_DIR, Manifest
 from runtime.base.signals import process_handler
 from runtime.base.errors import SpillpackError
@@ -37,7 +38,7 @@ def unpack_wheel(whl: Path, dest: Path) -> None:
                 shutil.copyfileobj(src, f, 1 << 20)
 
 
-def install_wheels(wheels: Path, target: Path) -> None:
+def install_wheels(wheels: Path, target: Path, check=lambda whl: None) -> None:
     """Unpack every wheel in `wheels` into `target`, once, atomically.
     Concurrent first starts: each unpacks privately, the first rename wins, the others use it.
     A stop meanwhile abandons the unpacking at once (the process's handler raises Abandon: the
@@ -52,6 +53,7 @@ def install_wheels(wheels: Path, target: Path) -> None:
         with handler.setup() if handler else contextlib.nullcontext():
             for whl in sorted(wheels.glob("*.whl")):
                 unpack_wheel(whl, tmp)
+                check(whl)  # the one packed (its manifest entry), or the unpacked copy is removed, never used
         (tmp / ".complete").write_text("")
         try:
             os.rename(tmp, target)
@@ -75,7 +77,8 @@ def ensure_engines(root: Path, manifest: Manifest, tag: str) -> None:
     carried = root / WHEELS_DIR / tag
     if (manifest.with_torch or manifest.with_mlx) and carried.is_dir():
         target = install_dir(root, manifest) / tag
-        install_wheels(carried, target)
+        bundle = Bundle(root, manifest)
+        install_wheels(carried, target, lambda whl: bundle.check_file(f"{WHEELS_DIR}/{tag}/{whl.name}"))
         sys.path.insert(0, str(target))
     if importlib.util.find_spec("torch") is None and importlib.util.find_spec("mlx") is None:
         raise SpillpackError(f"{sys.executable} has no torch (nor mlx), and this bundle carries none for {tag}",

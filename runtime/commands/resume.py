@@ -46,7 +46,7 @@ def find_config(target: str, state: str | None) -> tuple[dict, Bundle | None, st
     path = local_file(target)
     if path is not None and (path / "files" / "job.json").is_file():  # a bundle: its manifest must be there too
         bundle = Bundle.open(path)
-        return read_config(str(bundle.root / "files" / "job.json")), bundle, None
+        return read_config(str(bundle.root / "files" / "job.json"), bundle), bundle, None
     if path is not None and path.is_file():
         return read_config(str(path)), None, None
     raise SpillpackError(f"{target} is neither a job's state (no invocation.json), a bundle folder nor a config file",

@@ -22,12 +22,32 @@ def states(uri: str) -> list[tuple[str | None, JobState]]:
     store = open_store(uri)
     if store.read("job.json") is None:
         raise SpillpackError(f"{uri} holds no job state (no job.json)", "spillpack status <the job's --state URI>")
-    out = [(None, JobState(store, {}))]
+    out = [(None, checked(JobState(store, {})))]
     for key in sorted({k.split("/")[1] for k in store.list("stages/") if k.count("/") >= 2}):
         sub = open_store(store.child_uri(f"stages/{key}"))
         if sub.read("job.json") is not None:
-            out.append((key, JobState(sub, {})))
+            out.append((key, checked(JobState(sub, {}))))
     return out
+
+
+def checked(state: JobState) -> JobState:
+    """`state`, if what its story is told from is whole; otherwise one line naming what is damaged
+    (a story told from a damaged state would be a wrong one, told as if true)."""
+    if not isinstance(state.claimed(), dict):  # job.json, present (states() checked), is not a JSON object
+        where = state.store.child_uri("job.json")
+        raise SpillpackError(f"the state at {state.uri} is damaged: {where} is not a JSON object",
+                             f"restore {where} from a copy (or delete the state to start over)")
+    for folder in ("commits", "history", "log"):
+        if state.store.read(folder) is not None:  # a file where the folder belongs
+            where = state.store.child_uri(folder)
+            raise SpillpackError(f"the state at {state.uri} is damaged: {where} is a file, not the folder of its {folder}",
+                                 f"ls -l {where}, and restore the state from a copy (or delete it to start over)")
+    raw = state.store.read("invocation.json")
+    if raw is not None and not isinstance(state.invocation(), dict):
+        where = state.store.child_uri("invocation.json")
+        raise SpillpackError(f"the state at {state.uri} is damaged: {where} is not a JSON object",
+                             f"restore {where} from a copy, or spillpack resume with the job's config file")
+    return state
 
 
 def main(ns: dict, events, told: list | None = None) -> int:

@@ -15,6 +15,7 @@ from runtime.base.errors import SpillpackError, UsageError
 from runtime.base.fileio import atomic_write
 
 CONFIG_VERSION = 1
+TOP_KEYS = ("spillpack_config", "command", "arguments", "options")
 
 
 @dataclass
@@ -43,7 +44,9 @@ class Invocation:
         return self.options.get(name)
 
 
-def read_config(path: str) -> dict:
+def read_config(path: str, bundle=None) -> dict:
+    """The config at `path`, checked; `bundle`: the bundle it was packed into, whose manifest its
+    bytes must match before anything is taken from them (the job description is read first)."""
     p = Path(path)
     if p.exists() and not p.is_file():  # a FIFO would block forever, a device never end
         raise SpillpackError(f"config {path} is not a regular file", f"spillpack tune tiny data.jsonl --emit-config job.json")
@@ -51,6 +54,8 @@ def read_config(path: str) -> dict:
         raw = p.read_bytes()
     except OSError as e:
         raise SpillpackError(f"cannot read config {path}: {e.strerror}", f"spillpack tune tiny data.jsonl --emit-config {path}")
+    if bundle is not None:
+        bundle.check_read(p, raw)
     try:
         if p.suffix == ".toml":
             try:
@@ -76,12 +81,19 @@ def check_config(data, path: str) -> dict:
     command = data.get("command")
     if command not in COMMANDS:
         raise SpillpackError(f"{path} names an unknown command {command!r}", f"one of: {', '.join(COMMANDS)}")
-    known = {o.name for o in options_for(command)}
+    extra = sorted(set(data) - set(TOP_KEYS), key=str)
+    if extra:
+        raise SpillpackError(f"{path}: unknown key {extra[0]!r} (a config has only {', '.join(TOP_KEYS)})",
+                             f"spillpack {command} ... --emit-config {path}")
+    # Each section names only what a job is: the command's arguments, then its options, never
+    # how one process runs (--config, --emit-config, --headless, --debug).
+    known = {"arguments": {o.name for o in options_for(command) if o.positional},
+             "options": {o.name for o in options_for(command) if o.in_config and not o.positional}}
     for section in ("arguments", "options"):
         values = data.get(section, {})
         if not isinstance(values, dict):
             raise SpillpackError(f"{path}: \"{section}\" must be a table", f"spillpack {command} ... --emit-config {path}")
-        unknown = sorted(set(values) - known)
+        unknown = sorted(set(values) - known[section], key=str)
         if unknown:
             raise SpillpackError(f"{path}: unknown {section[:-1]} {unknown[0]!r} for {command}", f"spillpack {command} --help")
     return data
@@ -112,7 +124,7 @@ def resolve(command: str, given: dict, config_path: str | None = None, config: d
     spec = COMMANDS[command]
     from_file: dict = {}
     if config_path:
-        config = read_config(config_path)
+        config = read_config(config_path, bundle)
         if config["command"] != command:
             raise UsageError(f"{config_path} is a {config['command']} config, not {command}", f"spillpack {config['command']} --config {config_path}")
     if config is not None:

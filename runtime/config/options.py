@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 
 from runtime.core.notices import MODES as NOTICE_MODES
+from runtime.base.signals import GRACE_MAX_S
+from runtime.core.launch import NPROC_MAX
 from runtime.engines.hardware import ENGINE_NAMES
 from runtime.base.errors import SpillpackError
 
@@ -22,6 +24,12 @@ ENGINES = ("auto", *ENGINE_NAMES)
 GRAD_CHECKPOINT = ("auto", "on", "off")
 # A job name is one path component (it names SPILLPACK_HOME/jobs/NAME) from a safe alphabet.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+# A whole number a job counts with is at most this, unless its option says otherwise: the
+# state's records (JSON through orjson) and numpy/torch counters hold 64-bit integers.
+INT_MAX = 2**63 - 1
+# The most shards a job splits into: one worker each, and Kubernetes' limit on an Indexed Job's completions.
+SHARDS_MAX = 100_000
+SEED_MAX = 2**64 - 1  # a seed is any unsigned 64-bit value (torch.manual_seed's range)
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,10 @@ def check_value(command: str, opt: Opt, value):
     elif opt.type is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _bad(command, opt, f"takes a number, not {value!r}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # a whole number from a config file too large for a float
+            value = math.inf
         if not math.isfinite(value):
             raise _bad(command, opt, f"must be a finite number, not {value}")
     elif opt.type is _stop_after:
@@ -91,10 +102,14 @@ def check_value(command: str, opt: Opt, value):
             raise _bad(command, opt, f"takes N or STAGE[:N], not {value!r}")
         if isinstance(value, int) and value < 0:
             raise _bad(command, opt, f"must be 0 or more, not {value}")
+        if isinstance(value, int) and value > INT_MAX:
+            raise _bad(command, opt, f"must be at most {INT_MAX}, not {_num(value)}")
     elif not isinstance(value, str):
         raise _bad(command, opt, f"takes text, not {value!r}")
     if opt.choices is not None and value not in opt.choices:
         raise _bad(command, opt, f"is one of {', '.join(map(str, opt.choices))}, not {value!r}")
+    if opt.type is int and opt.max is None and value > INT_MAX:
+        raise _bad(command, opt, f"must be at most {INT_MAX} (a 64-bit count), not {_num(value)}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if opt.min is not None and value < opt.min:
             rule = {0: "must be 0 or more", 1: "must be positive"}.get(opt.min, f"must be at least {_num(opt.min)}")
@@ -119,20 +134,24 @@ def safe_name(text: str) -> str:
 
 
 def _num(x) -> str:
+    if isinstance(x, int):  # any size: a 5000-digit number is shown by its size, not printed
+        return str(x) if x.bit_length() <= 128 else f"a number of about 2^{x.bit_length() - 1}"
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
 # Options every job command takes (docs/commands.md).
 SHARED = (
     Opt("config", None, help="load the job from a config file written by --emit-config", in_config=False, metavar="FILE"),
-    Opt("emit_config", None, help="write the fully resolved job to FILE (.json or .toml) and exit", in_config=False, metavar="FILE"),
+    Opt("emit_config", None, help="write the fully resolved job to FILE (.json or .toml) and exit; an existing FILE is refused "
+                                  "unless --force", in_config=False, metavar="FILE"),
+    Opt("force", False, flag=True, in_config=False, help="with --emit-config: replace FILE when it exists"),
     Opt("name", None, help="the job's name (default: derived from the command and its data)"),
     Opt("state", None, help="where the job keeps its state: a path, file:// or s3:// URI (default: SPILLPACK_HOME/jobs/NAME)", metavar="URI"),
     Opt("weights", None, help="where the model's weights are: a path, file:// or s3:// URI", metavar="URI"),
     Opt("engine", "auto", choices=ENGINES, per_run=True, help="mlx, torch-cuda or torch-cpu (default: chosen for this machine)"),
     Opt("preemption_notice", "auto", choices=NOTICE_MODES, per_run=True,
         help="also stop (checkpoint, exit 75) on a cloud's spot notice in the instance metadata; auto finds AWS or GCP, if any"),
-    Opt("grace_s", None, float, per_run=True, above=0, metavar="SECONDS",
+    Opt("grace_s", None, float, per_run=True, above=0, max=GRACE_MAX_S, metavar="SECONDS",
         help="the platform's grace period between SIGTERM and SIGKILL: the checkpoint is committed and the job exits within it "
              "(default: SPILLPACK_GRACE_S, else 30)"),
     Opt("stop_after", None, _stop_after, per_run=True, help="stop cleanly (exit 0) after N steps or rows", metavar="N"),
@@ -161,21 +180,21 @@ TUNE = (
         help="plan the step for at most N GB (default: the memory this machine's engine has free)"),
     Opt("plan", False, flag=True, in_config=False, help="print the memory plan (micro-batch, checkpointing, peak) and exit"),
     Opt("max_seq", 2048, int, help="longest sequence; longer ones are dropped and counted", min=2),
-    Opt("seed", 0, int, help="seed for LoRA init and batch order", min=0),
+    Opt("seed", 0, int, help="seed for LoRA init and batch order", min=0, max=SEED_MAX),
     Opt("ckpt_every", 50, int, help="commit a checkpoint every N steps", min=1),
     Opt("out", None, help="also write the adapter here", metavar="DIR"),
     Opt("merge", False, flag=True, help="also write merged full weights as a Hugging Face model directory"),
     Opt("gguf", None, help="also write the merged model (base + LoRA) as one GGUF file here, for llama.cpp and Ollama",
         metavar="FILE"),
     Opt("gguf_type", "f16", choices=("f32", "f16", "q8_0"), help="the --gguf file's tensor type"),
-    Opt("nproc", None, int, per_run=True, min=1,
+    Opt("nproc", None, int, per_run=True, min=1, max=NPROC_MAX,
         help="data-parallel processes on this machine, one per GPU (default: SPILLPACK_NPROC, else 1); started through torchrun's launcher"),
 )
 
 # Sharding (docs/commands.md, "Shards"): N is part of the job, I is which part this process does.
 SHARDING = (
     Opt("shards", 1, int, help="split the rows into N contiguous shards, one worker each; the last to finish merges", min=1,
-        metavar="N"),
+        max=SHARDS_MAX, metavar="N"),
     Opt("shard", None, int, per_run=True, min=0, metavar="I",
         help="the shard this process does (default: SPILLPACK_SHARD, else the scheduler's array index: SLURM_ARRAY_TASK_ID "
              "- SLURM_ARRAY_TASK_MIN, JOB_COMPLETION_INDEX, SKYPILOT_NODE_RANK); none: only complete the merge"),
@@ -187,7 +206,7 @@ _ROW_COMMON = (
     Opt("max_tokens", 256, int, help="default max new tokens per row", min=1),
     Opt("temperature", 0.0, float, help="default sampling temperature (0 = greedy)", min=0, max=2),
     Opt("top_p", 1.0, float, help="default nucleus sampling threshold", above=0, max=1),
-    Opt("seed", 0, int, help="sampling seed", min=0),
+    Opt("seed", 0, int, help="sampling seed", min=0, max=SEED_MAX),
     Opt("batch", 8, int, help="rows generated at once", min=1),
     Opt("commit_rows", 32, int, help="commit finished rows at least every N rows", min=1),
     Opt("commit_seconds", 30.0, float, help="... and at least every T seconds", above=0),
@@ -226,7 +245,7 @@ BUILD = (
     Opt("lr", 2e-3, float, help="peak learning rate", above=0),
     Opt("warmup", 20, int, help="warmup steps", min=0),
     Opt("targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", help="comma-separated linear layers to adapt"),
-    Opt("seed", 0, int, help="seed", min=0),
+    Opt("seed", 0, int, help="seed", min=0, max=SEED_MAX),
     # eval and distill stages split into N shards; tune runs in shard 0 (runtime/jobs/build.py)
     *SHARDING,
 )

@@ -122,6 +122,7 @@ class Job:
         preemption.set_grace(o.get("grace_s") or grace_from_env(strict=True) or PROMISE_S)
         preemption.expected_step_s = 0.0  # a build's stage does not inherit the previous stage's step times
         preemption.check()
+        preemption.started()
         engine_name, reason = choose_engine(o.get("engine"))
         events.engine = engine_name
         group = open_group(engine_name, inv.command)

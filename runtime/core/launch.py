@@ -19,6 +19,7 @@ from runtime.base import ranks
 from runtime.base.errors import SpillpackError
 
 DEFAULT_PORT = 29500
+NPROC_MAX = 1024  # data-parallel processes on one machine: one per GPU, or per CPU at the most
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,8 @@ def processes_per_node(option: int | None, env=None) -> int:
     if option is not None:
         return option
     n = _int(env, "SPILLPACK_NPROC", 1)
-    if n < 1:
-        raise SpillpackError(f"SPILLPACK_NPROC must be positive, not {n}", "export SPILLPACK_NPROC=2")
+    if not 1 <= n <= NPROC_MAX:
+        raise SpillpackError(f"SPILLPACK_NPROC must be from 1 to {NPROC_MAX}, not {n}", "export SPILLPACK_NPROC=2")
     return n
 
 

@@ -43,3 +43,15 @@ def _text(content) -> tuple[str | None, str | None]:
             texts.append(part["text"])
         return "\n".join(texts), None
     return None, f"\"content\" must be a string or a list of text parts, not {type(content).__name__}"
+
+
+def weight_problem(messages: list[dict]) -> str | None:
+    """What is wrong with the messages' "weight" keys (OpenAI's format: 0 or 1, on assistant messages)."""
+    for i, m in enumerate(messages, 1):
+        if "weight" not in m:
+            continue
+        if m["weight"] not in (0, 1) or isinstance(m["weight"], bool):
+            return f"message {i} has \"weight\": {m['weight']!r} (OpenAI's format takes 0 or 1)"
+        if m["role"] != "assistant":
+            return f"message {i} ({m['role']}) has a \"weight\", which only assistant messages take"
+    return None

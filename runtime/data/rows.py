@@ -79,7 +79,7 @@ def parse_rows(raw: bytes, uri: str, max_tokens: int, temperature: float, top_p:
                                  f"grep -n '\"{cid}\"' {uri}")
         seen[cid] = n
         row = Row(len(rows), n, cid, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                  expected=obj.get("expected"), has_expected="expected" in obj)
+                  expected=obj.get("expected"), has_expected=obj.get("expected") is not None)  # null is no answer
         try:
             _fill(row, obj)
         except _Bad as bad:

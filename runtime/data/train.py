@@ -9,10 +9,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.data.messages import normalize
-from runtime.base.errors import SpillpackError
+from runtime.data.messages import normalize, weight_problem
+from runtime.base.errors import SpillpackError, UsageError
 from runtime.base.fileio import sha256_bytes
 from runtime.data.jsonl import iter_jsonl, read_bytes
+from runtime.models.tokenizer import is_trained
+
+STEPS_MAX = 2**63 - 1  # the step count a state's records hold (runtime.config.options.INT_MAX)
 
 # -- training examples --------------------------------------------------------------
 
@@ -21,9 +24,10 @@ def chat_messages(obj: dict, n: int, uri: str) -> list[dict]:
     """The OpenAI fine-tuning chat shape, or {prompt, completion} as one user/assistant turn."""
     if "messages" in obj:
         messages, problem = normalize(obj["messages"])
+        problem = problem or weight_problem(messages)
         if problem:
             raise SpillpackError(f"{uri} line {n}: {problem}", f"sed -n {n}p {uri}")
-        if not any(m["role"] == "assistant" and m["content"] for m in messages):
+        if not any(is_trained(m) and m["content"] for m in messages):
             raise SpillpackError(f"{uri} line {n} has no assistant content to learn from", f"sed -n {n}p {uri}")
         return messages
     if "prompt" in obj and "completion" in obj:
@@ -107,7 +111,11 @@ class BatchOrder:
     def steps_for(self, steps: int | None, epochs: float | None) -> int:
         if steps is not None:
             return steps
-        return max(1, math.ceil((epochs or 1.0) * self.per_epoch))
+        want = (epochs or 1.0) * self.per_epoch
+        if not want <= STEPS_MAX:  # inf too
+            raise UsageError(f"--epochs {epochs:g} is {want:.3g} steps of {self.effective} examples, more than the {STEPS_MAX} "
+                             "a job counts", "spillpack tune ... --epochs 1, or --steps N")
+        return max(1, min(STEPS_MAX, math.ceil(want)))
 
     def step_examples(self, step: int) -> list[int]:
         epoch, i = divmod(step, self.per_epoch)

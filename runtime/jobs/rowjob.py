@@ -209,7 +209,7 @@ def _run_shard(job: Job, inv, events, task, rows, split: "shards.Plan", model) -
         merged = merger.attempt(complete=True)
         if merged.missing:
             raise SpillpackError(f"{o['name']} is split into {n} shards and shard{'s' if len(merged.missing) > 1 else ''} "
-                                 f"{', '.join(map(str, merged.missing))} of them {'are' if len(merged.missing) > 1 else 'is'} "
+                                 f"{shards.listed(merged.missing)} of them {'are' if len(merged.missing) > 1 else 'is'} "
                                  f"not finished, so there is nothing to merge yet",
                                  f"run the missing shards (--shard I, or the scheduler's array), e.g. "
                                  f"spillpack resume {root.uri} --shard {merged.missing[0]}")
@@ -237,7 +237,7 @@ def _run_shard(job: Job, inv, events, task, rows, split: "shards.Plan", model) -
     if merged.record is None:
         # Others are still working (or one is merging right now): this shard's part is done.
         m = merged.missing
-        waiting = (f"shard{'s' if len(m) > 1 else ''} {', '.join(map(str, m))} still running" if m else "another shard is merging")
+        waiting = (f"shard{'s' if len(m) > 1 else ''} {shards.listed(m)} still running" if m else "another shard is merging")
         events.say(f"shard {split.index} of {n} done ({len(mine)} rows); {waiting}: the last shard to finish merges")
         return job.done(len(mine), True, out=None, rows=len(mine), merged=False, **common)
     # Merged: out and rows describe the job's output file, as an unsharded run's done does.

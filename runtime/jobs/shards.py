@@ -45,6 +45,12 @@ INDEX_ENV = ("SPILLPACK_SHARD", "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX", "
 # shard, and again right before the claim, so two workers finishing at the same moment is a
 # real race for the exclusive create that happens every time.
 BARRIER_ENV = "SPILLPACK_TEST_MERGE_BARRIER"
+MISSING_LISTED = 10  # shards not done that a line names; more are told as "..."
+
+
+def listed(shards: list[int]) -> str:
+    """Shard numbers for a line: the first MISSING_LISTED, then "..." when there are more."""
+    return ", ".join(map(str, shards[:MISSING_LISTED])) + (", ..." if len(shards) > MISSING_LISTED else "")
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,15 @@ class Merger:
         return [self.root.shards.shard(i) for i in range(self.plan.count)]
 
     def missing(self) -> list[int]:
-        return [i for i, s in enumerate(self.shards()) if s.shards.done() is None]
+        """The first shards not done yet (at most MISSING_LISTED + 1 of them): the merge waits for
+        any one, so the look stops there, however many shards the job has."""
+        out = []
+        for i in range(self.plan.count):
+            if self.root.shards.shard(i).shards.done() is None:
+                out.append(i)
+                if len(out) > MISSING_LISTED:
+                    break
+        return out
 
     def attempt(self, complete: bool) -> Merged:
         """`complete`: this process may complete a merge another one claimed and did not record

@@ -13,15 +13,27 @@ from runtime.models.memory import CUDA_CONTEXT_GB, GENERATION_RUNTIME_GB, STEP_R
 from runtime.models.weights import tensor_shapes, weight_files
 
 
+# The steps whose micro-batches are looked at one by one: at least one epoch (the work grows with
+# the data, which is read anyway), never with --steps or --epochs, which may be any upper limit.
+EXACT_STEPS = 1024
+
+
 def job_batches(data, order, total: int, size: int) -> list[Batch]:
     """The micro-batches the job runs when each step's examples go `size` at a time, as the
-    shapes that can set a peak: those no other one exceeds in tokens, targets and length."""
+    shapes that can set a peak: those no other one exceeds in tokens, targets and length.
+    A job longer than the steps looked at also gets the shape no micro-batch can exceed (its
+    `size` longest examples with the most targets), so the plan holds for every step."""
     targets = [sum(e.mask[1:]) for e in data.examples]
     most: dict[tuple[int, int], int] = {}
-    for step in range(total):
+    looked = min(total, max(order.per_epoch, EXACT_STEPS))
+    for step in range(looked):
         for mb in order.micro_batches(step, size):
             key = (len(mb), max(len(data.examples[i].ids) for i in mb))
             most[key] = max(most.get(key, 0), sum(targets[i] for i in mb))
+    if looked < total:
+        rows = min(size, order.effective, len(data.examples))
+        key = (rows, max(len(e.ids) for e in data.examples))
+        most[key] = max(most.get(key, 0), sum(sorted(targets, reverse=True)[:rows]))
     shapes = [Batch(r, s, t) for (r, s), t in most.items()]
     return [b for b in shapes if not any(o != b and o.tokens >= b.tokens and o.targets >= b.targets and o.seq >= b.seq
                                          for o in shapes)]

@@ -111,7 +111,7 @@ def main(inv, events) -> Outcome:
         if job.writer:
             job.state.log("plan", **plan.to_dict())
         job.open_engine(engine)
-        latest = job.state.checkpoints.latest() if job.writer else None
+        latest = job.state.checkpoints.latest(lambda c: checkpoint_agrees(job.state, c)) if job.writer else None
         restored, abandoned = None, False
         try:
             with job.preemption.setup():
@@ -239,6 +239,15 @@ class TuneWork:
         c, seconds = self.job.state.checkpoints.commit(self.done, {CHECKPOINT_TENSORS: blob, CHECKPOINT_META: meta}, log=log)
         self.committed = self.done
         self.job.checkpointed(self.done, self.job.state.commit_uri(c), seconds)
+
+
+def checkpoint_agrees(state, commit) -> bool:
+    """A checkpoint's record says the step its files hold, and its log has a loss for each step
+    before it: otherwise the record was edited (or written by something else) and is passed over.
+    Files whose bytes do not match the record are still the one line that says so (read_file)."""
+    meta = orjson.loads(state.read_file(commit, CHECKPOINT_META))
+    return (isinstance(commit.step, int) and isinstance(meta, dict) and meta.get("step", commit.step) == commit.step
+            and len(restored_losses(state, commit)) == commit.step)
 
 
 def restored_losses(state, latest) -> list[float]:

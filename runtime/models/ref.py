@@ -9,6 +9,7 @@ from pathlib import Path
 
 from runtime.base.errors import SpillpackError
 from runtime.base.paths import spillpack_home
+from runtime.models.config_check import check_model_config
 from runtime.models import ollama
 from runtime.models.arch import architecture
 from runtime.models.gguf.model import find_gguf
@@ -224,6 +225,7 @@ def validate(path: Path, tag: Tag | None = None) -> ModelDir:
     architecture_ = architecture(config, str(config_file))
     arch = architecture_.model_type
     config = architecture_.effective_config(config)
+    check_model_config(config, architecture_.args, str(config_file))  # every field the engines read, before they read it
     if tag is not None and arch != tag.arch:
         raise SpillpackError(
             f"{config_file} has model_type {arch!r}, but the tag expects {tag.arch!r}",

@@ -45,11 +45,19 @@ def _ids(value) -> list[int]:
     return [value] if isinstance(value, int) else [int(v) for v in value]
 
 
+# A render's bounds: items all its range() calls may yield together, and characters it may
+# write. A real template renders a conversation in a few kilobytes with no range() to speak of.
+RANGE_BUDGET = 100_000
+OUTPUT_MAX = 64 << 20
+
+
 def compile_template(source: str):
-    """The Jinja environment of transformers' chat templates: sandboxed, trim/lstrip blocks."""
+    """The Jinja environment of transformers' chat templates: sandboxed, trim/lstrip blocks, and
+    bounded work (runtime.models.template_sandbox)."""
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from runtime.models.template_sandbox import BoundedSandbox
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -61,11 +69,18 @@ def compile_template(source: str):
     def strftime_now(format):
         return datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = BoundedSandbox(RANGE_BUDGET, OUTPUT_MAX, trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env.from_string(source)
+
+
+def is_trained(message: dict) -> bool:
+    """Whether a message's tokens are trained: an assistant turn, unless OpenAI's fine-tuning
+    format gives it "weight": 0 (1, or no weight, trains it)."""
+    return message.get("role") == "assistant" and message.get("weight", 1) != 0
+
 
 
 class Tokenizer:
@@ -158,11 +173,11 @@ class Tokenizer:
 
         variables = {**TEMPLATE_DEFAULTS, **kwargs}
         try:
-            return self._template.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            return self._template.environment.render_bounded(
+                self._template, messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
                 **self.special_tokens, **variables
             )
-        except jinja2.exceptions.TemplateError as e:
+        except (jinja2.exceptions.TemplateError, OverflowError, RecursionError, MemoryError) as e:
             raise SpillpackError(f"the chat template of {self.path} refused the conversation: {e}", "check the roles and order of the messages")
 
     def encode_prompt(self, messages: list[dict], **kwargs) -> list[int]:
@@ -173,7 +188,8 @@ class Tokenizer:
         """Token ids of a whole conversation and a loss mask over them.
 
         The mask is 1 on each assistant turn's content and its end-of-turn token, 0 on
-        everything the template adds around it (system prompt, headers, user turns).
+        everything the template adds around it (system prompt, headers, user turns) and on an
+        assistant turn with OpenAI's "weight": 0.
         The rendering is cut after each message; what each cut adds is tokenized on its
         own, so every token is known to come from one message.
 
@@ -196,7 +212,7 @@ class Tokenizer:
             full = self.apply_chat_template(messages[: i + 1], **kwargs)
             if not full.startswith(done):
                 return self._mask_by_content(messages, kwargs)
-            pieces.append((full[len(done):], message.get("role") == "assistant"))
+            pieces.append((full[len(done):], is_trained(message)))
             done = full
         ids, mask = [], []
         for text, trained in pieces:
@@ -230,7 +246,8 @@ class Tokenizer:
             end = start + len(content)
             while end < len(text) and text[end].isspace():  # the content's own trailing whitespace, or glue
                 end += 1  # before its end-of-turn token (trained either way in the prefix-stable path)
-            spans.append((start, end))
+            if is_trained(message):  # found either way, so the next turn is looked for after it
+                spans.append((start, end))
             pos = end
         enc = self._tok.encode(text, add_special_tokens=False)
         mask = [1 if any(s < b and e > a for a, b in spans) else 0 for s, e in enc.offsets]

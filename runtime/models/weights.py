@@ -10,6 +10,7 @@ one tensor: the peak host memory while loading (measured in benchmarks/bench_mem
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -40,18 +41,50 @@ def weight_files(path: Path) -> list[Path]:
     raise SpillpackError(f"no {SINGLE} or {INDEX} in {path}", f"ls {path}")
 
 
+# The float types a model's parameters come in, with their widths in bytes. A parameter in any
+# other type is not weights spillpack trains or runs (an integer label on float bytes is a lie).
+FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
 def read_safetensors_header(f: Path) -> bytes:
-    """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
+    """The JSON header of a safetensors file (8-byte little-endian length, then JSON), held to
+    the file first: each tensor a float type, its bytes its shape's size, inside the file."""
     try:
+        size = f.stat().st_size
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
-            if n > 100_000_000 or n > f.stat().st_size - 8:
+            if n > 100_000_000 or n > size - 8:
                 raise ValueError("header length is larger than the file")
             header = fh.read(n)
-        json.loads(header)
+        entries = json.loads(header)
+        if not isinstance(entries, dict):
+            raise ValueError("the header is not a JSON object")
+        for name, info in entries.items():
+            if name != "__metadata__":
+                _check_entry(name, info, size - 8 - n)
     except (OSError, struct.error, ValueError) as e:
         raise SpillpackError(f"{f} is not a readable safetensors file ({e})", f"re-download the weights into {f.parent}")
     return header
+
+
+def _check_entry(name: str, info, data_bytes: int) -> None:
+    """One tensor's header entry, against the data section's real size (ValueError: what is wrong)."""
+    if not isinstance(info, dict):
+        raise ValueError(f"tensor {name} has no dtype, shape and offsets")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in FLOAT_BYTES:
+        raise ValueError(f"tensor {name} has dtype {dtype!r}, not a float type a model's weights come in "
+                         f"({', '.join(FLOAT_BYTES)})")
+    whole = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    if not isinstance(shape, list) or not all(whole(d) for d in shape):
+        raise ValueError(f"tensor {name} has shape {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(whole(o) for o in offsets) or offsets[0] > offsets[1]:
+        raise ValueError(f"tensor {name} has data offsets {offsets!r}")
+    want = math.prod(shape) * FLOAT_BYTES[dtype]
+    if offsets[1] - offsets[0] != want:
+        raise ValueError(f"tensor {name} claims {offsets[1] - offsets[0]} bytes, but {dtype} of shape {shape} is {want}")
+    if offsets[1] > data_bytes:
+        raise ValueError(f"tensor {name} ends at byte {offsets[1]} of data, past the file's {data_bytes}")
 
 
 # safetensors dtype -> numpy dtype of the same width; bfloat16 travels as its raw 16 bits and

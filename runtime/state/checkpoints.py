@@ -14,9 +14,11 @@ class Checkpoints:
     def __init__(self, state):
         self.state = state
 
-    def latest(self) -> Commit | None:
+    def latest(self, agrees=None) -> Commit | None:
+        """The newest complete checkpoint; `agrees(commit)`, when given, also holds the record to
+        what its files say (a record edited by hand is passed over, as a torn one is)."""
         for c in reversed(self.state.commits()):
-            if c.kind == "checkpoint" and self.state.complete(c):
+            if c.kind == "checkpoint" and self.state.complete(c) and (agrees is None or agrees(c)):
                 return c
         return None
 

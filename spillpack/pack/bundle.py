@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from runtime.bootstrap.manifest import MANIFEST, FileEntry, Manifest
-from runtime.base.fileio import sha256_bytes, sha256_file
+from runtime.base.fileio import naming, sha256_bytes, sha256_file
 
 from ..quoting import comment, sh
 
@@ -31,7 +31,18 @@ RUN_SH = """\
 trap 'exit 75' TERM HUP INT
 command={command}
 want={python}
-here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd -P) || exit 1
+# Where this script really is: $0 may be a symlink to it (or a chain of them), and the bundle's
+# files lie beside the script, not beside the link.
+self=$0 hops=0
+while [ -h "$self" ] && [ "$hops" -lt 40 ]; do  # 40: the kernel's own bound on a chain of links
+  hops=$((hops + 1))
+  link=$(readlink -- "$self") || break
+  case $link in
+    /*) self=$link ;;
+    *) self=$(dirname -- "$self")/$link ;;
+  esac
+done
+here=$(CDPATH= cd -- "$(dirname -- "$self")" && pwd -P) || exit 1
 # The bundle's own files first: a partial copy is one line here, not Python's traceback later.
 for f in spillpack.pyz MANIFEST.json files/job.json; do
   if [ ! -f "$here/$f" ]; then
@@ -81,7 +92,7 @@ def copy_hashed(src: Path, dest: Path, on_chunk=lambda n: None) -> tuple[int, st
     dest.parent.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
     size = 0
-    with open(src, "rb") as fi, open(dest, "wb") as fo:
+    with naming(dest), open(src, "rb") as fi, open(dest, "wb") as fo:
         while chunk := fi.read(CHUNK):
             h.update(chunk)
             fo.write(chunk)
@@ -92,7 +103,8 @@ def copy_hashed(src: Path, dest: Path, on_chunk=lambda n: None) -> tuple[int, st
 
 def write_hashed(dest: Path, data: bytes, mode: int = 0o644) -> tuple[int, str]:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_bytes(data)
+    with naming(dest):
+        dest.write_bytes(data)
     os.chmod(dest, mode)
     return len(data), sha256_bytes(data)
 
@@ -128,7 +140,8 @@ class Writer:
         self.entries[rel] = FileEntry(path.stat().st_size, sha256_file(path), origin)
 
     def finish(self, manifest: Manifest) -> None:
-        (self.tmp / MANIFEST).write_bytes(replace(manifest, files=dict(self.entries)).to_json())
+        with naming(self.tmp / MANIFEST):
+            (self.tmp / MANIFEST).write_bytes(replace(manifest, files=dict(self.entries)).to_json())
         if self.out.exists():  # appeared while we were packing
             raise FileExistsError(str(self.out))
         os.rename(self.tmp, self.out)

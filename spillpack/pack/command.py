@@ -18,6 +18,7 @@ from runtime.bootstrap.manifest import Manifest
 from runtime.config.invocation import read_config
 from runtime.base.progress import ByteProgress
 from runtime.base.errors import SpillpackError, UsageError
+from runtime.base.fileio import naming
 from runtime.config.commands import COMMANDS as JOB_COMMANDS
 from runtime.jobs.inputs import check_inputs
 
@@ -168,7 +169,8 @@ def main(ns: dict, events) -> int:
         progress.close()
         w.write("files/job.json", (json.dumps(config, indent=2) + "\n").encode(),
                 origin=str(Path(inv.config_path).absolute()) if inv.config_path else "command line")
-        zipapp.build(per_platform, w.tmp / "spillpack.pyz", wheels.cache_root().parent / "pyz")
+        with naming(w.tmp / "spillpack.pyz"):
+            zipapp.build(per_platform, w.tmp / "spillpack.pyz", wheels.cache_root().parent / "pyz")
         w.add_existing("spillpack.pyz", "built by spillpack pack")
         for tag, ws in carried.items():
             for whl in ws:
