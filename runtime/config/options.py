@@ -129,7 +129,7 @@ SHARED = (
     Opt("weights", None, help="where the model's weights are: a path, file:// or s3:// URI", metavar="URI"),
     Opt("engine", "auto", choices=ENGINES, per_run=True, help="mlx, torch-cuda or torch-cpu (default: chosen for this machine)"),
     Opt("preemption_notice", "auto", choices=NOTICE_MODES, per_run=True,
-        help="also stop (checkpoint, exit 75) on a cloud's spot notice in the instance metadata; auto finds AWS or GCP, if any"),
+        help="also stop (checkpoint, exit 75) on a cloud's spot notice in the instance metadata; auto finds AWS, GCP or Azure, if any"),
     Opt("grace_s", None, float, per_run=True, above=0, metavar="SECONDS",
         help="the platform's grace period between SIGTERM and SIGKILL: the checkpoint is committed and the job exits within it "
              "(default: SPILLPACK_GRACE_S, else 30)"),

@@ -252,6 +252,7 @@ class Job:
                            grace_s=p.promise_s, signalled=signalled)
         if emit:
             self.events.emit("preempted", step=step, signal=sig, abandoned_quantum=abandoned_quantum, seconds=since, grace_s=p.promise_s)
+        self.notices.committed()  # the checkpoint is committed: a cloud that waits for an acknowledgement may evict now
         return Outcome(EXIT_PREEMPTED)
 
     def done(self, step: int, complete: bool, **summary) -> Outcome:
