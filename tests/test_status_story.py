@@ -138,8 +138,10 @@ def test_story_of_real_interruptions(home, tmp_path):
     assert r.returncode == 0, r.stderr
     human = run_cli(["status", str(state)], env={"SPILLPACK_HEADLESS": "0"}).stdout
     events = events_of(run_cli(["status", str(state), "--headless"]).stdout)
-    kinds = [e["kind"] for e in events if e["kind"] != "resume_promise"]  # the closing line on what a resume keeps
+    kinds = [e["kind"] for e in events if e["kind"] not in ("resume_promise", "starts")]  # the closing lines
     assert kinds.count("process") == 3 and kinds.count("resume") == 2 and kinds[-1] == "done"
+    starts = next(e for e in events if e["kind"] == "starts")  # the requeue guard's counts
+    assert (starts["starts"], starts["preemptions"], starts["hard_kills"], starts["stalled_in_a_row"]) == (3, 1, 1, 0)
     intr = next(e for e in events if e["kind"] == "interrupted")
     after = events[events.index(intr) + 1]
     assert intr["signal"] == "SIGTERM" and after["kind"] == "checkpoint" and after["step"] == intr["step"]

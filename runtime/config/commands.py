@@ -28,8 +28,10 @@ class JobCommand:
 
 
 def _derive_tune(v: dict) -> None:
-    if v.get("alpha") is None:
+    if v.get("alpha") is None and not v.get("init_adapter"):  # an --init-adapter brings its own (runtime/jobs/init_adapter.py)
         v["alpha"] = 2.0 * v["rank"]
+    if (v.get("val") or v.get("val_fraction")) and v.get("eval_every") is None:
+        v["eval_every"] = v["ckpt_every"]
     if v.get("steps") is None and v.get("epochs") is None:
         v["epochs"] = 1.0
 
@@ -52,6 +54,12 @@ def _check_counted_stop(command: str, unit: str):
 def _check_tune(v: dict) -> None:
     _check_targets("tune")(v)
     _check_counted_stop("tune", "step")(v)
+    if v.get("val") and v.get("val_fraction"):
+        raise SpillpackError("--val and --val-fraction both name held-out rows; give one",
+                             "spillpack tune MODEL DATA --val VAL.jsonl (or --val-fraction 0.1)")
+    for name in ("eval_every", "early_stop"):
+        if v.get(name) is not None and not (v.get("val") or v.get("val_fraction")):
+            raise SpillpackError(f"--{name.replace('_', '-')} needs held-out rows", f"spillpack tune MODEL DATA --val-fraction 0.1 --{name.replace('_', '-')} {v[name]}")
 
 
 def _check_build(v: dict) -> None:

@@ -134,6 +134,8 @@ SHARED = (
         help="the platform's grace period between SIGTERM and SIGKILL: the checkpoint is committed and the job exits within it "
              "(default: SPILLPACK_GRACE_S, else 30)"),
     Opt("stop_after", None, _stop_after, per_run=True, help="stop cleanly (exit 0) after N steps or rows", metavar="N"),
+    Opt("max_stalled_starts", 3, int, per_run=True, min=0, metavar="N",
+        help="stop with exit 1 (not 75) when N starts in a row made no progress past the last checkpoint (0: never)"),
     Opt("headless", False, flag=True, in_config=False, help="JSON-line events on stdout (automatic when stdout is not a terminal)"),
     Opt("debug", False, flag=True, in_config=False, help="show tracebacks"),
 )
@@ -161,6 +163,15 @@ TUNE = (
     Opt("max_seq", 2048, int, help="longest sequence; longer ones are dropped and counted", min=2),
     Opt("seed", 0, int, help="seed for LoRA init and batch order", min=0),
     Opt("ckpt_every", 50, int, help="commit a checkpoint every N steps", min=1),
+    Opt("init_adapter", None, metavar="SRC",
+        help="start from this LoRA adapter (a PEFT or mlx-lm adapter directory, or a spillpack state: path or s3://); "
+             "its rank, alpha and targets are the job's"),
+    Opt("val", None, metavar="FILE", help="held-out rows (same format as the data) for a validation loss"),
+    Opt("val_fraction", None, float, above=0, below=1, metavar="F",
+        help="hold out this fraction of the data's rows for a validation loss (a seeded hash of each row)"),
+    Opt("eval_every", None, int, min=1, metavar="N", help="the held-out loss every N steps and after the last (default: --ckpt-every)"),
+    Opt("early_stop", None, int, min=1, metavar="PATIENCE",
+        help="stop after PATIENCE evals in a row without a lower held-out loss (needs --val or --val-fraction)"),
     Opt("out", None, help="also write the adapter here", metavar="DIR"),
     Opt("merge", False, flag=True, help="also write merged full weights as a Hugging Face model directory"),
     Opt("nproc", None, int, per_run=True, min=1,
