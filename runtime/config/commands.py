@@ -11,6 +11,8 @@ from runtime.config import options as O
 from runtime.errors import SpillpackError
 
 BUILD_STAGES = ("eval-base", "distill", "tune", "eval-tuned")
+DEFAULT_RANK = 16
+DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 
 
 @dataclass(frozen=True)
@@ -28,8 +30,13 @@ class JobCommand:
 
 
 def _derive_tune(v: dict) -> None:
-    if v.get("alpha") is None and not v.get("init_adapter"):  # an --init-adapter brings its own (runtime/jobs/init_adapter.py)
-        v["alpha"] = 2.0 * v["rank"]
+    if not v.get("init_adapter"):  # an --init-adapter brings its own rank, alpha and targets (runtime/jobs/init_adapter.py)
+        if v.get("rank") is None:
+            v["rank"] = DEFAULT_RANK
+        if v.get("alpha") is None:
+            v["alpha"] = 2.0 * v["rank"]
+        if v.get("targets") is None:
+            v["targets"] = DEFAULT_TARGETS
     if (v.get("val") or v.get("val_fraction")) and v.get("eval_every") is None:
         v["eval_every"] = v["ckpt_every"]
     if v.get("steps") is None and v.get("epochs") is None:
@@ -38,6 +45,8 @@ def _derive_tune(v: dict) -> None:
 
 def _check_targets(command: str):
     def check(v: dict) -> None:
+        if v.get("targets") is None and v.get("init_adapter"):
+            return  # the adapter's
         if not [t for t in str(v["targets"]).split(",") if t.strip()]:
             raise SpillpackError(f"--targets {v['targets']!r} names no layer", f"spillpack {command} ... --targets q_proj,v_proj")
     return check

@@ -145,9 +145,10 @@ TUNE = (
     Opt("data", positional=True, help="training data: JSONL of {messages} or {prompt, completion} rows"),
     Opt("steps", None, int, help="optimizer steps (default: one epoch)", min=1),
     Opt("epochs", None, float, help="epochs, when --steps is not given", above=0),
-    Opt("rank", 16, int, help="LoRA rank", min=1),
-    Opt("alpha", None, float, help="LoRA alpha (default: 2 x rank)", above=0),
-    Opt("targets", "q_proj,k_proj,v_proj,o_proj", help="comma-separated linear layers to adapt"),
+    # None until derived (runtime/config/commands.py): 16, 2 x rank and the attention projections, or --init-adapter's
+    Opt("rank", None, int, help="LoRA rank (default 16, or --init-adapter's)", min=1),
+    Opt("alpha", None, float, help="LoRA alpha (default: 2 x rank, or --init-adapter's)", above=0),
+    Opt("targets", None, help="comma-separated linear layers to adapt (default q_proj,k_proj,v_proj,o_proj, or --init-adapter's)"),
     Opt("dropout", 0.0, float, help="LoRA dropout", min=0, below=1),
     Opt("lr", 1e-4, float, help="peak learning rate", above=0),
     Opt("schedule", "cosine", choices=("cosine", "constant"), help="learning-rate schedule after warmup"),

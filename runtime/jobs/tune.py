@@ -22,12 +22,13 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 from safetensors.numpy import save_file as st_save_file
 
-from runtime.models.lora import LoraSpec, init_tensors, save_adapter
+from runtime.models.lora import LoraSpec, base_record, init_tensors, save_adapter
+from runtime.jobs import init_adapter
 from runtime.data.train import BatchOrder, collate, load_train_data, rank_rows
 from runtime.data.validation import load_split
 from runtime.jobs.tune_val import Validation
 from runtime.engines import OptimSpec, get_engine
-from runtime.core.job import Job, Outcome
+from runtime.core.job import Job, Outcome, state_uri
 from runtime.engines.hardware import engine_rate
 from runtime.models.ref import resolve_model
 from runtime.core.signals import Abandon
@@ -63,9 +64,18 @@ def prepare(inv):
         data = load_train_data(a["data"], tokenizer, o["max_seq"], bundle=inv.bundle)
         if o.get("val"):
             val_data = load_train_data(o["val"], tokenizer, o["max_seq"], bundle=inv.bundle, what="validation data")
+    init = None
+    if o.get("init_adapter"):
+        # Checked against the base and the options before any state is touched; the job's rank,
+        # alpha and targets become the adapter's (so --emit-config and resume carry them).
+        init = init_adapter.load(o["init_adapter"], model_dir, o, own_state=state_uri(o))
+        o.update(rank=init.spec.rank, alpha=init.spec.alpha, targets=",".join(init.spec.targets))
     spec = LoraSpec(rank=o["rank"], alpha=float(o["alpha"]), targets=tuple(t.strip() for t in o["targets"].split(",") if t.strip()),
                     dropout=o["dropout"])
-    tensors = init_tensors(model_dir.config, spec, o["seed"])  # validates --targets before any state is touched
+    if init is not None:
+        tensors = init.tensors
+    else:
+        tensors = init_tensors(model_dir.config, spec, o["seed"])  # validates --targets before any state is touched
     if o.get("out"):
         check_output(o["out"], directory=True)
     order = BatchOrder([len(e.ids) for e in data.examples], o["batch"], o["grad_accum"], o["seed"])
@@ -76,12 +86,12 @@ def prepare(inv):
     # Sized before the state is opened: a job refused here leaves no state behind that would
     # refuse the corrected command (a shorter --max-seq is another job).
     plan = plan_tune(engine_name, engine, model_dir, spec, data, order, total, o)
-    return model_dir, tokenizer, data, spec, tensors, order, total, engine, plan, val_data
+    return model_dir, tokenizer, data, spec, tensors, order, total, engine, plan, val_data, init
 
 
 def plan_only(inv, events) -> Outcome:
     """`spillpack tune ... --plan`: the memory plan, without running."""
-    model_dir, _, data, _, _, _, total, engine, plan, _ = prepare(inv)
+    model_dir, _, data, _, _, _, total, engine, plan, _, _ = prepare(inv)
     if events.headless:
         events.engine = engine.name
         events.emit("plan", steps=total, message=plan.describe(), candidates=plan.candidates(), **plan.to_dict())
@@ -98,7 +108,7 @@ def plan_only(inv, events) -> Outcome:
 
 def main(inv, events) -> Outcome:
     a, o = inv.arguments, inv.options
-    model_dir, tokenizer, data, spec, tensors, order, total, engine, plan, val_data = prepare(inv)
+    model_dir, tokenizer, data, spec, tensors, order, total, engine, plan, val_data, init = prepare(inv)
     identity = {
         "command": "tune",
         "model": model_dir.fingerprint(),
@@ -108,6 +118,8 @@ def main(inv, events) -> Outcome:
         **{k: o[k] for k in ("rank", "alpha", "targets", "dropout", "lr", "schedule", "warmup", "weight_decay",
                              "max_seq", "seed")},
     }
+    if init is not None:  # the adapter it starts from is part of the job (its tensors' hash)
+        identity["init_adapter"] = init.sha256
     if val_data is not None:  # only then: a state written without validation keeps its identity
         identity["val"] = {"sha256": val_data.sha256 if o.get("val") else None, "fraction": o.get("val_fraction"),
                            "eval_every": o["eval_every"], "early_stop": o.get("early_stop")}
@@ -117,6 +129,7 @@ def main(inv, events) -> Outcome:
         job.open_engine(engine)
         latest = job.state.latest_checkpoint() if job.writer else None
         restored, abandoned = None, False
+        resume = init_adapter.resume_of(init, identity) if init is not None and latest is None and job.writer else None
         try:
             with job.preemption.setup():
                 session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]), o["seed"])
@@ -130,6 +143,8 @@ def main(inv, events) -> Outcome:
             abandoned = True
         if job.agree(abandoned):
             return job.preempted(latest.step if latest else 0, abandoned_quantum=True)
+        if resume is not None and restored is None:
+            restored = {**resume, "from_init": True}  # SRC is a state of this same job: continue from its newest checkpoint
         if job.group is not None:  # only rank 0 reads the state: the others start from its checkpoint
             restored = job.group.from_writer(restored)
         val = None
@@ -139,6 +154,8 @@ def main(inv, events) -> Outcome:
         if restored is not None:
             session.load(restored["tensors"], restored["step"])
             work.restore(restored["step"], restored["losses"])
+            if restored.get("from_init"):
+                work.committed = 0  # this state has none of it yet: its first commit writes it all, losses from step 1
             if val is not None:
                 val.restore(restored.get("val"), restored["tensors"])
             job.restored(restored["step"], restored["uri"])
@@ -304,12 +321,12 @@ def write_outputs(job, session, spec, model_dir, model_ref, losses, o, val=None)
     lowest held-out loss, the same two layouts) and val_log.jsonl (every eval)."""
     with tempfile.TemporaryDirectory(prefix="spillpack-adapter-") as tmp:
         out = Path(tmp) / "adapter"
-        save_adapter(out, session.adapter(), spec, model_ref, model_dir.config["num_hidden_layers"])
+        save_adapter(out, session.adapter(), spec, model_ref, model_dir.config["num_hidden_layers"], base_record(model_dir))
         (out / "train_log.jsonl").write_bytes(b"".join(orjson.dumps({"step": i + 1, "loss": l}) + b"\n" for i, l in enumerate(losses)))
         if val is not None:
             (out / "val_log.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in val.evals))
             if val.best is not None:
-                save_adapter(out / "best", val.best, spec, model_ref, model_dir.config["num_hidden_layers"])
+                save_adapter(out / "best", val.best, spec, model_ref, model_dir.config["num_hidden_layers"], base_record(model_dir))
         if o.get("merge"):
             write_merged(out / "merged", session, model_dir)
         store = job.state.store

@@ -18,7 +18,7 @@ from runtime.errors import SpillpackError
 from runtime.models.ref import TAGS
 
 # Options whose value is a file or directory the job reads, by role.
-DATA_OPTIONS = ("data", "input", "evals", "prompts", "folder", "adapter")
+DATA_OPTIONS = ("data", "input", "evals", "prompts", "folder", "adapter", "init_adapter", "val")
 MODEL_OPTIONS = ("model", "teacher", "student")  # a tag, tiny, or a model directory
 WEIGHTS_OPTION = "weights"
 
