@@ -39,7 +39,8 @@ class InitAdapter:
     spec: LoraSpec
     sha256: str  # of the tensors and spec: part of the job's identity
     kind: str  # "peft" | "mlx-lm" | "state"
-    resume: dict | None = None  # SRC is a state of this same job: its newest checkpoint, to continue from
+    resume: dict | None = None
+    targets: str | None = None  # --targets as the job writes it: a state's own text, else the adapted layers joined  # SRC is a state of this same job: its newest checkpoint, to continue from
 
 
 def load(src: str, model_dir, o: dict, own_state: str | None = None) -> InitAdapter:
@@ -65,6 +66,7 @@ def load(src: str, model_dir, o: dict, own_state: str | None = None) -> InitAdap
             check_base(src, record, base_record(model_dir))
     check_tensors(src, adapter.tensors, adapter.spec, model_dir.config)
     check_options(src, adapter.spec, o)
+    adapter.targets = adapter.targets or ",".join(adapter.spec.targets)
     return adapter
 
 
@@ -176,6 +178,9 @@ def _from_state(src: str, store, model_dir) -> InitAdapter:
     if theirs.get("model") and theirs["model"] != model_dir.fingerprint():
         raise SpillpackError(f"--init-adapter {src} was trained on a different base: the model's weights hash (config and "
                              "safetensors headers) differs from this one's", f"spillpack status {src} names the model it tuned")
+    record = store.read("adapter/" + BASE_RECORD)  # a finished tune's adapter records its base
+    if record is not None:
+        check_base(src, _json(store, "adapter/" + BASE_RECORD, src), base_record(model_dir))
     latest = state.latest_checkpoint()
     if latest is None:
         raise SpillpackError(f"--init-adapter {src} is a tune state with no committed checkpoint yet", f"spillpack status {src}")
@@ -185,7 +190,7 @@ def _from_state(src: str, store, model_dir) -> InitAdapter:
     meta = orjson.loads(state.read_file(latest, CHECKPOINT_META))
     resume = {"identity": theirs, "step": latest.step, "losses": restored_losses(state, latest), "tensors": tensors_all,
               "val": meta.get("val"), "uri": state.commit_uri(latest)}
-    return InitAdapter(tensors, spec, _digest(tensors, spec), "state", resume)
+    return InitAdapter(tensors, spec, _digest(tensors, spec), "state", resume, targets=theirs.get("targets"))
 
 
 def check_base(src: str, theirs: dict, ours: dict) -> None:
@@ -193,10 +198,10 @@ def check_base(src: str, theirs: dict, ours: dict) -> None:
         if key in theirs and key in ours and theirs[key] != ours[key]:
             raise SpillpackError(f"--init-adapter {src} was trained on a different base: {key} is {theirs[key]!r} there and "
                                  f"{ours[key]!r} here", "the base model the adapter was trained on")
-    if theirs.get("weights_sha256") and ours.get("weights_sha256") and theirs["weights_sha256"] != ours["weights_sha256"]:
-        raise SpillpackError(f"--init-adapter {src} was trained on a different base: weights_sha256 is "
-                             f"{theirs['weights_sha256'][:12]}... there and {ours['weights_sha256'][:12]}... here",
-                             "the base model the adapter was trained on (same config.json and safetensors)")
+    for key in ("weights_sha256", "weights_sample_sha256"):
+        if theirs.get(key) and ours.get(key) and theirs[key] != ours[key]:
+            raise SpillpackError(f"--init-adapter {src} was trained on a different base: {key} is {theirs[key][:12]}... there and "
+                                 f"{ours[key][:12]}... here", "the base model the adapter was trained on (same config.json and safetensors)")
 
 
 def check_tensors(src: str, tensors: dict, spec: LoraSpec, config: dict) -> None:

@@ -69,7 +69,7 @@ def prepare(inv):
         # Checked against the base and the options before any state is touched; the job's rank,
         # alpha and targets become the adapter's (so --emit-config and resume carry them).
         init = init_adapter.load(o["init_adapter"], model_dir, o, own_state=state_uri(o))
-        o.update(rank=init.spec.rank, alpha=init.spec.alpha, targets=",".join(init.spec.targets))
+        o.update(rank=init.spec.rank, alpha=init.spec.alpha, targets=init.targets)
     spec = LoraSpec(rank=o["rank"], alpha=float(o["alpha"]), targets=tuple(t.strip() for t in o["targets"].split(",") if t.strip()),
                     dropout=o["dropout"])
     if init is not None:

@@ -99,7 +99,30 @@ def base_record(model_dir) -> dict:
     c = model_dir.config
     keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "vocab_size")
-    return {**{k: c[k] for k in keys if k in c}, "architectures": c.get("architectures"), "weights_sha256": model_dir.fingerprint()}
+    return {**{k: c[k] for k in keys if k in c}, "architectures": c.get("architectures"), "weights_sha256": model_dir.fingerprint(),
+            "weights_sample_sha256": weights_sample(model_dir.path)}
+
+
+SAMPLES = 64  # per safetensors file
+SAMPLE_BYTES = 4096
+
+
+def weights_sample(path: Path) -> str:
+    """sha256 over config.json and, for each safetensors file, its name, size and SAMPLES evenly
+    spaced SAMPLE_BYTES pieces of it: unlike the fingerprint (headers only) it tells apart two
+    checkpoints of the same shapes with other values, at 256 KiB read per file."""
+    import hashlib
+
+    path = Path(path)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"\0{f.name}\0{size}\0".encode())
+        with f.open("rb") as fh:
+            for i in range(SAMPLES):
+                fh.seek(size * i // SAMPLES)
+                h.update(fh.read(SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 def save_adapter(directory: Path, tensors: dict[str, np.ndarray], spec: LoraSpec, base_model: str, num_layers: int,
