@@ -73,6 +73,8 @@ def _check_tune(v: dict) -> None:
 
 def _check_build(v: dict) -> None:
     _check_targets("build")(v)
+    if v.get("early_stop") is not None and not v.get("val_fraction"):
+        raise SpillpackError("--early-stop needs held-out rows", f"spillpack build FOLDER --val-fraction 0.1 --early-stop {v['early_stop']}")
     stop_point(v.get("stop_after"))
     _check_shard("build", v)
 

@@ -280,7 +280,7 @@ class Job:
             self.state.log("done" if complete else "stopped", step=step)
         self.events.emit("done", step=step, complete=complete, stopped_early=not complete if stopped_early is None else stopped_early,
                          seconds=round(self.elapsed(), 3), **summary)
-        return Outcome(EXIT_OK, complete, summary)
+        return Outcome(EXIT_OK, complete, {**summary, **({"stopped_early": stopped_early} if stopped_early is not None else {})})
 
 
 def open_group(engine_name: str, command: str):
