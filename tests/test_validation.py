@@ -64,8 +64,9 @@ def test_val_loss_equals_peft_on_the_same_rows(home, tmp_path):
     assert [json.loads(l)["step"] for l in (out / "val_log.jsonl").read_text().splitlines()] == [2, 4]
 
 
+# A learning rate this high overfits tiny within a few steps, so the held-out loss rises and --early-stop ends it.
 EARLY = ["tune", "tiny", str(DATA), "--steps", "40", "--batch", "2", "--lr", "3e-2", "--val-fraction", "0.05", "--eval-every", "2",
-         "--early-stop", "2", "--ckpt-every", "3", "--rank", "8"]
+         "--early-stop", "2", "--ckpt-every", "3"]
 
 
 def _outcome(state):
@@ -76,7 +77,7 @@ def _outcome(state):
 
 @pytest.mark.slow
 def test_early_stop_and_the_best_adapter_survive_sigterm_bit_identical(home, tmp_path):
-    ref = run_cli(EARLY + ["--state", str(tmp_path / "ref")])
+    ref = run_cli(EARLY + ["--state", str(tmp_path / "ref")], timeout=900)
     assert ref.returncode == 0, ref.stderr
     done = events_of(ref.stdout)[-1]
     assert done["complete"] and done["stopped_early"] and done["steps"] < 40 and done["best_step"] < done["steps"]
@@ -90,7 +91,7 @@ def test_early_stop_and_the_best_adapter_survive_sigterm_bit_identical(home, tmp
     assert rc == 75, err
     rc, ev, err = run_until(args, lambda e: e["event"] == "eval" and e["step"] == 4)
     assert rc == 75, err
-    r = run_cli(args)
+    r = run_cli(args, timeout=900)
     assert r.returncode == 0, r.stderr
     again = events_of(r.stdout)[-1]
     for key in ("steps", "stopped_early", "best_step", "best_val_loss", "final_loss", "evals"):
