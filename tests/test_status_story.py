@@ -54,6 +54,7 @@ def story_state(root):
         {**c, "what": "engine", "time": 1.8e9 + 200.5, "engine": "torch-cuda", "device": "NVIDIA A10G (sm_86, 22 GB)",
          "software": "torch 2.13.0, CUDA 12.8, cuDNN 91000", "dtype": "bfloat16"},
         {**c, "what": "resume", "time": 1.8e9 + 201, "step": 10, "uri": f"{u}/00000003.json"},
+        {**c, "what": "eval", "time": 1.8e9 + 229, "step": 20, "val_loss": 1.2345678, "tokens": 512, "seconds": 0.8, "best_step": 20},
         {**c, "what": "checkpoint", "time": 1.8e9 + 230, "step": 20, "seq": 4, "uri": f"{u}/00000004.json", "seconds": 0.05},
         {**c, "what": "done", "time": 1.8e9 + 231, "step": 20},
     ], progress=[{**b, "done": 14, "time": 1.8e9 + 113}])
@@ -81,6 +82,9 @@ def test_story_golden(home, tmp_path):
     assert [e["time"] for e in events] == sorted(e["time"] for e in events)
     kill = next(e for e in events if e["kind"] == "hard_kill")
     assert (kill["committed"], kill["reached"], kill["repeated"]) == (10, 14, 4)
+    starts = next(e for e in events if e["kind"] == "starts")
+    assert (starts["starts"], starts["preemptions"], starts["hard_kills"]) == (3, 1, 1)
+    assert next(e for e in events if e["kind"] == "eval")["val_loss"] == 1.2345678
     # Resumed on other engines: what ran where (a hard kill's repeated steps counted once), and
     # the tolerance promised instead of bit-identity.
     promise = events[-1]
