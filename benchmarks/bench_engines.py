@@ -23,8 +23,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.models.lora import LoraSpec, init_tensors  # noqa: E402
-from runtime.engines import OptimSpec, get_engine  # noqa: E402
-from runtime.generation import Request  # noqa: E402
+from runtime.engines import OptimSpec  # noqa: E402
+from runtime.engines.registry import get_engine  # noqa: E402
+from runtime.engines.generation import Request  # noqa: E402
 from runtime.engines.hardware import ENGINE_NAMES, probe  # noqa: E402
 from runtime.models.ref import resolve_model  # noqa: E402
 from runtime.models.tiny import ensure_tiny  # noqa: E402

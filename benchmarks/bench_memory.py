@@ -89,7 +89,7 @@ LOAD = r'''
 import json, resource, sys, torch
 sys.path.insert(0, sys.argv[1])
 torch.set_num_threads(1)
-from runtime.engines import get_engine
+from runtime.engines.registry import get_engine
 from runtime.models.ref import resolve_model
 md = resolve_model(sys.argv[2])
 import psutil
@@ -116,7 +116,7 @@ def main():
     if a.table:
         print(table(4, a.targets))
         return
-    from memory_shapes import make_data, make_shape
+    from tests.support.memory_shapes import make_data, make_shape
 
     work = Path(tempfile.gettempdir()) / "spillpack-bench-memory"
     model = make_shape(a.shape, work / a.shape)

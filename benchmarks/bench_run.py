@@ -92,8 +92,8 @@ def bench_hf(path: Path, prompts, limits: list[int], batch: int, pad_id: int, eo
 
 
 def bench_spillpack(path: Path, prompts, limits: list[int], batch: int, eos):
-    from runtime.engines import get_engine
-    from runtime.generation import Request
+    from runtime.engines.registry import get_engine
+    from runtime.engines.generation import Request
     from runtime.models.ref import resolve_model
     from runtime.models.tokenizer import Tokenizer
 

@@ -29,7 +29,7 @@ from pathlib import Path
 what, uri, path = sys.argv[1:4]
 t0 = time.perf_counter()
 if what == "upload":
-    from runtime.state.store import open_store
+    from runtime.state.uri import open_store
     parent, _, name = uri.rpartition("/")
     open_store(parent).write(name, Path(path).read_bytes())
 else:

@@ -70,7 +70,7 @@ def merge_time(rows: int, work: Path, shards: int = 4) -> float:
     from runtime.jobs import rowjob, shards as sh
     from runtime.jobs.run import _finish
     from runtime.state.jobstate import JobState
-    from runtime.state.store import open_store
+    from runtime.state.uri import open_store
 
     raw = b"".join(orjson.dumps({"custom_id": f"r{i:06d}", "prompt": f"prompt {i}"}) + b"\n" for i in range(rows))
     parsed = parse_rows(raw, "in.jsonl", 16, 0.0, 1.0, 0)
@@ -80,12 +80,12 @@ def merge_time(rows: int, work: Path, shards: int = 4) -> float:
     plan = sh.Plan(shards, 0)
     for i in range(shards):
         lo, hi = plan.range(rows, i)
-        st = root.shard(i, {**identity, "shard": i, "rows": [lo, hi]})
+        st = root.shards.shard(i, {**identity, "shard": i, "rows": [lo, hi]})
         st.open()
         for s in range(lo, hi, 256):
             seg = b"".join(orjson.dumps(_line(parsed[j])) + b"\n" for j in range(s, min(s + 256, hi)))
-            st.commit_segment(seg, min(s + 256, hi) - s)
-        st.mark_shard_done(hi - lo)
+            st.rows.commit(seg, min(s + 256, hi) - s)
+        st.shards.mark_done(hi - lo)
     task = rowjob.RowTask("run", "model", "input", _finish)
     merger = sh.Merger(root, plan, task, parsed, None, Events("run", True, out=open(os.devnull, "w")),
                        rowjob.write_uri, rowjob.uri_exists)

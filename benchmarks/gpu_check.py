@@ -47,10 +47,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from runtime.engines import OptimSpec, get_engine  # noqa: E402
+from runtime.engines import OptimSpec  # noqa: E402
+
+from runtime.engines.registry import get_engine  # noqa: E402
 from runtime.engines.torch.decode import TorchDecoder  # noqa: E402
 from runtime.engines.torch.models import load_checkpoint  # noqa: E402
-from runtime.generation import Generator, Request  # noqa: E402
+from runtime.engines.generation import Generator, Request  # noqa: E402
 from runtime.models.lora import LoraSpec, init_tensors, load_adapter  # noqa: E402
 from runtime.models.ref import resolve_model  # noqa: E402
 from runtime.models.tiny import ensure_tiny  # noqa: E402

@@ -1,4 +1,4 @@
-from runtime.core.signals import install_process_handler
+from runtime.base.signals import install_process_handler
 
 install_process_handler()  # before the CLI's imports: a stop during start-up exits 75, not 143
 

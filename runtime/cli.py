@@ -12,13 +12,14 @@ import os
 import sys
 import traceback
 
-from runtime import __version__, launch
+from runtime import __version__
+from runtime.core import launch
 from runtime.config.commands import COMMANDS, options_for
 from runtime.config.invocation import Invocation, resolve, write_config
-from runtime.core import progress, ranks
+from runtime.base import progress, ranks
 from runtime.core.events import Events, headless_wanted
-from runtime.core.signals import Abandon, install_process_handler
-from runtime.errors import EXIT_PREEMPTED, SpillpackError, UsageError, from_os_error, redact
+from runtime.base.signals import Abandon, install_process_handler
+from runtime.base.errors import EXIT_PREEMPTED, SpillpackError, UsageError, from_os_error, redact
 
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {

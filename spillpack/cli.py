@@ -1,4 +1,4 @@
-"""`spillpack`: the runtime's job commands plus what only a laptop needs (pack, models)."""
+"""`spillpack`: the runtime's job commands plus what only a laptop needs (pack, models, status --plot)."""
 
 from runtime.cli import exit_process
 from runtime.cli import main as runtime_main
@@ -6,6 +6,7 @@ from runtime.cli import main as runtime_main
 LAPTOP_COMMANDS = {
     "models": ("spillpack.commands.models", "the model tags spillpack knows and the models on this machine"),
     "pack": ("spillpack.pack.command", "pack a job into one directory that runs anywhere with ./run.sh"),
+    "status": ("spillpack.commands.status", "the story of a job from its state: processes, checkpoints, interruptions"),
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, events_of
-from runtime.core.allotment import cpus, memory_limit
+from runtime.base.allotment import cpus, memory_limit
 
 DATA = str(REPO / "examples/data/train.jsonl")
 GB = 2**30

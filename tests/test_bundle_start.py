@@ -94,7 +94,7 @@ def test_a_stop_while_the_zipapp_unpacks_exits_75_with_nothing_written(bundle, p
     import fcntl
     import zipfile
 
-    from jobproc import handler_installed
+    from tests.support.jobproc import handler_installed
 
     home = new_home(tmp_path, tiny_home, "node")
     env = clean_env(home)
@@ -149,7 +149,7 @@ def carry_wheels(bundle: Path, wheels: list[Path]) -> Path:
     MANIFEST.json with its hash, with_torch set), carrying small wheels instead of torch's
     hundreds of megabytes: the first start unpacks them as it would unpack torch."""
     from runtime.bootstrap.manifest import MANIFEST, WHEELS_DIR, FileEntry, Manifest
-    from runtime.fileio import sha256_file
+    from runtime.base.fileio import sha256_file
 
     manifest = Manifest.read(bundle)
     tag = manifest.platforms[0]

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.models.tiny import ensure_tiny
 from runtime.models.tokenizer import Tokenizer
 

@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from runtime.data.train import Example, collate
-from runtime.engines import OptimSpec, get_engine
+from runtime.engines import OptimSpec
+from runtime.engines.registry import get_engine
 from runtime.engines.torch.decode import TorchDecoder
 from runtime.engines.torch.precision import LossScaler, precision_for
-from runtime.generation import Generator, Request
+from runtime.engines.generation import Generator, Request
 from runtime.models.lora import LoraSpec, init_tensors, load_adapter, save_adapter
 from runtime.models.ref import resolve_model
 from runtime.models.tiny import ensure_tiny
 from runtime.models.tokenizer import Tokenizer
+from tests.conftest import run_cli
 
 TARGETS = ("q_proj", "v_proj", "up_proj", "down_proj")
 
@@ -251,3 +253,14 @@ def test_every_slot_decode_matches_running_rows_decode(tiny):
     for a, b in zip(logits_cpu, logits_dev):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_torch_cuda_without_cuda_is_one_line(home):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = run_cli(["tune", "tiny", "examples/data/train.jsonl", "--steps", "2", "--engine", "torch-cuda"], env={"SPILLPACK_HEADLESS": "0"})
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("spillpack: engine torch-cuda is not usable here: ") and "Try: spillpack doctor" in lines[0]
+    assert "Traceback" not in r.stderr and r.stdout == ""

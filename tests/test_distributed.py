@@ -92,7 +92,8 @@ def test_shares_sum_to_the_step_gradient(home, world):
     import torch
 
     from runtime.data.train import BatchOrder, collate, load_train_data
-    from runtime.engines import OptimSpec, get_engine
+    from runtime.engines import OptimSpec
+    from runtime.engines.registry import get_engine
     from runtime.models.lora import LoraSpec, init_tensors
     from runtime.models.ref import resolve_model
     from runtime.models.tokenizer import Tokenizer
@@ -238,7 +239,7 @@ def test_nproc_starts_the_group_sigterm_to_it_exits_75_and_resumes_at_three(home
     """What run.sh does with --nproc: this process runs torchrun's agent, forwards the
     scheduler's SIGTERM to its ranks and exits 75 when they do; `resume` with SPILLPACK_NPROC=3
     continues it on three."""
-    from jobproc import run_until
+    from tests.support.jobproc import run_until
 
     args = BASE + ["--state", str(tmp_path / "s")]
     rc, events, err = run_until(args + ["--nproc", "2"], lambda e: e["event"] == "step" and e["step"] == 5,
@@ -280,23 +281,23 @@ def test_a_row_job_under_torchrun_is_one_line(home, tmp_path):
     ({"SPILLPACK_NNODES": "4", "JOB_COMPLETION_INDEX": "3", "SPILLPACK_MASTER_ADDR": "job-0.job"}, (4, 3, "job-0.job")),
 ])
 def test_nodes_from_a_schedulers_environment(env, nodes):
-    from runtime.launch import nodes_from_env
+    from runtime.core.launch import nodes_from_env
 
     n = nodes_from_env(env)
     assert (n.count, n.rank, n.addr) == nodes and n.port == 29500
 
 
 def test_an_srun_step_of_several_tasks_per_node_is_one_line():
-    from runtime.errors import SpillpackError
-    from runtime.launch import nodes_from_env
+    from runtime.base.errors import SpillpackError
+    from runtime.core.launch import nodes_from_env
 
     with pytest.raises(SpillpackError, match="one task per node"):
         nodes_from_env({"SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "0"})
 
 
 def test_a_node_rank_out_of_range_is_one_line():
-    from runtime.errors import SpillpackError
-    from runtime.launch import nodes_from_env
+    from runtime.base.errors import SpillpackError
+    from runtime.core.launch import nodes_from_env
 
     with pytest.raises(SpillpackError, match="node rank 2 of 2"):
         nodes_from_env({"SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": "2", "SKYPILOT_NODE_IPS": "a\nb"})

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.engines import OptimSpec, get_engine
+from runtime.engines import OptimSpec
+
+from runtime.engines.registry import get_engine
 from runtime.models import dropout
 from runtime.models.lora import LoraSpec, init_tensors
 from runtime.models.ref import resolve_model
@@ -105,7 +107,7 @@ def test_moe_experts_drop_by_token_on_both_engines(tmp_path, monkeypatch):
     """Qwen3-MoE's experts see some of the tokens (torch gathers those routed to them, MLX runs
     every token): each token keeps its own masks either way, and checkpointing changes nothing."""
     pytest.importorskip("mlx.core")
-    from tests.hf_fixtures import make_family
+    from tests.support.hf_fixtures import make_family
 
     monkeypatch.setenv("SPILLPACK_HOME", str(tmp_path / "home"))
     md = resolve_model(str(make_family("qwen3_moe", tmp_path / "moe")[0]))

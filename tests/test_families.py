@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.engines import OptimSpec, get_engine
+from runtime.engines import OptimSpec
+
+from runtime.engines.registry import get_engine
 from runtime.engines.torch.models import load_model as torch_load
-from runtime.generation import generate
+from runtime.engines.generation import generate
 from runtime.models.lora import LoraSpec, init_tensors, load_adapter, save_adapter
 from runtime.models.ref import resolve_model
 from runtime.models.tokenizer import Tokenizer
-from tests.hf_fixtures import FAMILIES, WINDOW, make_family
+from tests.support.hf_fixtures import FAMILIES, WINDOW, make_family
 
 peft = pytest.importorskip("peft")
 mx = pytest.importorskip("mlx.core")

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.engines import OptimSpec, get_engine
+from runtime.engines import OptimSpec
+
+from runtime.engines.registry import get_engine
 from runtime.engines.torch.models import load_model as torch_load
 from runtime.models.lora import LoraSpec, init_tensors, save_adapter
 from runtime.models.ref import resolve_model
-from tests.hf_fixtures import make_family
+from tests.support.hf_fixtures import make_family
 from tests.test_families import TOL, family, hf_alone, lora_targets, prompts_of, random_lora  # noqa: F401 (family: fixture)
 
 mx = pytest.importorskip("mlx.core")
@@ -85,7 +87,7 @@ def test_moe_expert_lora_equals_its_merge_into_transformers_experts(family):
 def test_gemma3_image_text_checkpoint_loads_its_language_model(tmp_path, tiny_home, monkeypatch):
     """gemma3:4b/12b/27b are Gemma3ForConditionalGeneration checkpoints: the language model
     loads from them (vision tower left out) and gives transformers' logits for text."""
-    from tests.hf_fixtures import make_gemma3_image_text
+    from tests.support.hf_fixtures import make_gemma3_image_text
 
     monkeypatch.setenv("SPILLPACK_HOME", str(tiny_home))
     path, hf = make_gemma3_image_text(tmp_path / "g3")
@@ -104,7 +106,7 @@ def test_gemma3_image_text_merge_loads_back(tmp_path, tiny_home, monkeypatch):
     """`tune --merge` of an image-text Gemma 3 writes the language model under the text model's
     names; spillpack loads it back with the adapted model's logits."""
     from runtime.jobs.tune import write_merged
-    from tests.hf_fixtures import make_gemma3_image_text
+    from tests.support.hf_fixtures import make_gemma3_image_text
 
     monkeypatch.setenv("SPILLPACK_HOME", str(tiny_home))
     path, _ = make_gemma3_image_text(tmp_path / "g3")
@@ -122,7 +124,7 @@ def test_gemma3_image_text_merge_loads_back(tmp_path, tiny_home, monkeypatch):
 def test_phi3_takes_the_unfused_target_names(family, tmp_path):
     """The same --targets on every family: q,k,v (and gate,up) adapt Phi-3's fused linears, and
     the saved adapter names those for PEFT; a part of a fused linear alone is refused."""
-    from runtime.errors import SpillpackError
+    from runtime.base.errors import SpillpackError
 
     md, _ = family("phi3")
     spec = LoraSpec(4, 8.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from runtime.errors import SpillpackError
-from runtime.generation import Generator, Request, generate
+from runtime.base.errors import SpillpackError
+from runtime.engines.generation import Generator, Request, generate
 from runtime.models.ref import resolve_model
 from runtime.engines.torch.models import load_model
 from runtime.models.tokenizer import Tokenizer
-from tests.hf_fixtures import make_llama, make_qwen2
+from tests.support.hf_fixtures import make_llama, make_qwen2
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -135,7 +135,7 @@ def test_sample_is_numpy_and_follows_the_distribution():
     softmax at the temperature, and top-p keeps exactly the nucleus."""
     import numpy as np
 
-    from runtime.generation import request_generator, sample
+    from runtime.engines.generation import request_generator, sample
 
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
     draws = [sample(logits, 1.0, 1.0, request_generator(0, "k")) for _ in range(3)]

@@ -7,7 +7,7 @@ import pytest
 from runtime.commands.doctor import report
 from runtime.engines.hardware import choose_engine, probe
 from runtime.engines.nvidia import CudaFacts, diagnose
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 CUDA_WHEEL = dict(torch_version="2.13.0+cu128", torch_cuda="12.8")
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from conftest import REPO, events_of, run_cli
-from jobproc import start
-from memory_shapes import make_data
+from tests.support.jobproc import start
+from tests.support.memory_shapes import make_data
 
 DATA = str(REPO / "examples/data/train.jsonl")
 

@@ -1,13 +1,10 @@
-"""Issue 12, the job side: hostile input against jobs and their state, one test per item.
+"""Hostile input against jobs and their state: each test is named by the behaviour it checks
+and runs the CLI as a user does (a subprocess on the tiny model, real files, real FIFOs, real
+mounts where a disk must be full or read-only). The pack side is tests/test_hostile_pack.py.
 
-Each test names its item of the issue (test_09_... is item 9) and runs the CLI as a user
-does (a subprocess on the tiny model, real files, real FIFOs, real mounts where a disk must
-be full or read-only). The items of the pack side (1-3, 5, 6, 18) and SIGHUP (22) are
-tested with the packer and the lifecycle.
-
-Run against 1c40608, the code the issue was filed against, every test here fails, each on the
-behaviour its item names, but test_16_an_unreachable_s3_endpoint_is_one_line: a regression
-guard (that code gave the one line, only after 24-43 s; the attempt-counting test_16 holds the
+Run against 1c40608, the code these were written against, every test here fails on the
+behaviour it names, but test_an_unreachable_s3_endpoint_is_one_line: a regression guard
+(that code gave the one line, only after 24-43 s; the attempt-counting test holds the
 time). Tests that import today's modules (the piece-bound unit test, the S3 memory probe, the
 attempt count) fail there on the import; run by hand with that code's module names, the S3
 read held 72 MiB of a 64 MiB object (20 MiB now) and the endpoint took 20 attempts (8 now).
@@ -24,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, events_of, run_cli
-from tests.s3_fixtures import s3, s3_uri  # noqa: F401  (pytest fixtures)
+from tests.support.s3_fixtures import s3, s3_uri  # noqa: F401  (pytest fixtures)
 
 CHAT = [{"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
         for w in ("yes", "no", "maybe", "never", "always", "soon")]
@@ -91,13 +88,13 @@ def in_mount_namespace(script: str, env=None, timeout=300) -> subprocess.Complet
 
 
 @pytest.mark.parametrize("name", ["../../x", "/tmp/abs", "..", ".", "a/b", "a\nb"])
-def test_04_a_job_name_is_one_safe_path_component(home, data, name):
+def test_a_job_name_is_one_safe_path_component(home, data, name):
     r = run_cli(["tune", "tiny", data, "--steps", "2", "--name", name])
     one_line(r, "is not a job name")
     assert not (home / "jobs").exists() and not (home / "x").exists() and not (home.parent / "x").exists()
 
 
-def test_04_a_name_derived_from_a_hostile_file_name_is_made_safe(home, tmp_path):
+def test_a_name_derived_from_a_hostile_file_name_is_made_safe(home, tmp_path):
     hostile = jsonl(tmp_path / "a\ntouch PWNED\n$(id);`x`.jsonl", CHAT)
     r = run_cli(["tune", "tiny", hostile, "--steps", "1"])
     assert r.returncode == 0, r.stderr
@@ -108,7 +105,7 @@ def test_04_a_name_derived_from_a_hostile_file_name_is_made_safe(home, tmp_path)
 
 
 @pytest.mark.slow
-def test_07_resume_continues_a_moved_state_from_anywhere(home, data, tmp_path):
+def test_resume_continues_a_moved_state_from_anywhere(home, data, tmp_path):
     first = tmp_path / "first"
     r = tune(data, first, "--steps", "3", "--ckpt-every", "1", "--stop-after", "1")
     assert r.returncode == 0 and done_of(r)["steps"] == 1, r.stderr
@@ -126,7 +123,7 @@ def test_07_resume_continues_a_moved_state_from_anywhere(home, data, tmp_path):
 
 
 @pytest.mark.slow
-def test_08_resume_does_not_replay_stop_after_and_takes_its_own(home, data, tmp_path):
+def test_resume_does_not_replay_stop_after_and_takes_its_own(home, data, tmp_path):
     state = tmp_path / "s"
     assert tune(data, state, "--steps", "4", "--stop-after", "1").returncode == 0
     r = run_cli(["resume", str(state), "--stop-after", "2"])
@@ -139,7 +136,7 @@ def test_08_resume_does_not_replay_stop_after_and_takes_its_own(home, data, tmp_
 
 
 @pytest.mark.slow
-def test_09_a_torn_or_empty_commit_record_is_passed_over(home, data, tmp_path):
+def test_a_torn_or_empty_commit_record_is_passed_over(home, data, tmp_path):
     state = tmp_path / "s"
     args = ["--steps", "4", "--ckpt-every", "1"]
     assert tune(data, state, *args, "--stop-after", "1").returncode == 0
@@ -152,7 +149,7 @@ def test_09_a_torn_or_empty_commit_record_is_passed_over(home, data, tmp_path):
 
 
 @pytest.mark.slow
-def test_09_status_does_not_call_a_process_that_exited_1_a_hard_kill(home, data, tmp_path):
+def test_status_does_not_call_a_process_that_exited_1_a_hard_kill(home, data, tmp_path):
     state = tmp_path / "s"
     for _ in range(2):  # diverges at step 2 each time: exit 1 with its line, twice
         one_line(tune(data, state, "--steps", "4", "--lr", "1e30", "--ckpt-every", "1"), "diverged")
@@ -168,7 +165,7 @@ def test_09_status_does_not_call_a_process_that_exited_1_a_hard_kill(home, data,
 
 
 @pytest.mark.slow
-def test_10_a_missing_job_json_does_not_disable_the_identity_check(home, data, tmp_path):
+def test_a_missing_job_json_does_not_disable_the_identity_check(home, data, tmp_path):
     state = tmp_path / "s"
     assert tune(data, state, "--steps", "3", "--ckpt-every", "1", "--stop-after", "1").returncode == 0
     (state / "job.json").unlink()
@@ -184,7 +181,7 @@ def test_10_a_missing_job_json_does_not_disable_the_identity_check(home, data, t
 
 
 @pytest.mark.slow
-def test_11_bad_input_fails_before_the_state_exists(home, data, tmp_path):
+def test_bad_input_fails_before_the_state_exists(home, data, tmp_path):
     state = tmp_path / "s"
     wizard = jsonl(tmp_path / "w.jsonl", [{"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}])
     fifo = tmp_path / "fifo"
@@ -200,7 +197,7 @@ def test_11_bad_input_fails_before_the_state_exists(home, data, tmp_path):
 
 
 @pytest.mark.slow
-def test_11_a_run_that_failed_before_its_first_commit_does_not_claim_the_state(home, data, tmp_path):
+def test_a_run_that_failed_before_its_first_commit_does_not_claim_the_state(home, data, tmp_path):
     state = tmp_path / "s"
     one_line(tune(data, state, "--steps", "4", "--lr", "1e30"), "diverged")  # no commit before step 2 diverges
     r = tune(data, state, "--steps", "4", "--lr", "1e-3")
@@ -211,7 +208,7 @@ def test_11_a_run_that_failed_before_its_first_commit_does_not_claim_the_state(h
 
 
 @pytest.mark.parametrize("out", ["/proc/nope/x", "FILE"])
-def test_12_tune_out_is_checked_before_the_first_step(home, data, tmp_path, out):
+def test_tune_out_is_checked_before_the_first_step(home, data, tmp_path, out):
     if out == "FILE":
         out = str(tmp_path / "a-file")
         Path(out).write_text("keep me")
@@ -224,7 +221,7 @@ def test_12_tune_out_is_checked_before_the_first_step(home, data, tmp_path, out)
 
 @needs_mounts
 @pytest.mark.slow
-def test_12_and_17_out_on_a_read_only_file_system(home, data, tmp_path):
+def test_out_on_a_read_only_file_system(home, data, tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     r = in_mount_namespace(f"mount -t tmpfs tmpfs {ro} && mount -o remount,ro {ro} && "
@@ -233,7 +230,7 @@ def test_12_and_17_out_on_a_read_only_file_system(home, data, tmp_path):
     assert steps_of(r) == []
 
 
-def test_12_row_job_out_is_checked_before_any_row(home, tmp_path):
+def test_row_job_out_is_checked_before_any_row(home, tmp_path):
     rows = jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "prompt": "hi"}])
     for out, expect in (("/proc/nope/x.jsonl", "cannot be written"), (str(tmp_path), "is a directory")):
         r = run_cli(["run", "tiny", rows, "--max-tokens", "2", "--state", str(tmp_path / "s"), "--out", out])
@@ -241,7 +238,7 @@ def test_12_row_job_out_is_checked_before_any_row(home, tmp_path):
         assert not any(e["event"] == "row" for e in events_of(r.stdout)) and not (tmp_path / "s" / "job.json").exists()
 
 
-def test_12_row_job_existing_out_is_refused_before_the_state_exists(home, tmp_path):
+def test_row_job_existing_out_is_refused_before_the_state_exists(home, tmp_path):
     rows = jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "prompt": "hi"}])
     args = ["run", "tiny", rows, "--max-tokens", "2", "--state", str(tmp_path / "s")]
     taken = tmp_path / "taken.jsonl"
@@ -260,7 +257,7 @@ def test_12_row_job_existing_out_is_refused_before_the_state_exists(home, tmp_pa
 # -- 13: non-finite values ---------------------------------------------------------------------------
 
 
-def test_13_non_finite_options_are_refused(home, data, tmp_path):
+def test_non_finite_options_are_refused(home, data, tmp_path):
     for flag in ("--lr", "--alpha", "--weight-decay"):
         for value in ("inf", "nan", "-inf"):
             one_line(tune(data, tmp_path / "s", f"{flag}={value}"), f"{flag} must be a finite number")
@@ -268,7 +265,7 @@ def test_13_non_finite_options_are_refused(home, data, tmp_path):
 
 
 @pytest.mark.slow
-def test_13_a_non_finite_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(home, data, tmp_path):
+def test_a_non_finite_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(home, data, tmp_path):
     state = tmp_path / "s"
     r = tune(data, state, "--steps", "6", "--lr", "1e30", "--ckpt-every", "1")
     line = one_line(r, "training diverged", "loss of step 2 is nan", "last good checkpoint (step 1)", "--lr")
@@ -289,7 +286,7 @@ def test_13_a_non_finite_loss_stops_with_one_line_and_keeps_the_last_good_checkp
     ("rank", [16], "--rank takes a whole number"), ("lr", None, "--lr needs a value"), ("lr", 1e400, "--lr must be a finite"),
     ("name", "../x", "is not a job name"), ("seed", -1, "--seed must be 0 or more"),
 ])
-def test_14_config_values_are_checked_like_the_command_line(home, data, tmp_path, key, value, expect):
+def test_config_values_are_checked_like_the_command_line(home, data, tmp_path, key, value, expect):
     cfg = tmp_path / "job.json"
     assert run_cli(["tune", "tiny", data, "--steps", "2", "--state", str(tmp_path / "s"), "--emit-config", str(cfg)]).returncode == 0
     config = json.loads(cfg.read_text())
@@ -302,7 +299,7 @@ def test_14_config_values_are_checked_like_the_command_line(home, data, tmp_path
 # -- 15: inputs that never end, and ranks past a layer's width ---------------------------------------------
 
 
-def test_15_a_fifo_is_refused_not_waited_on(home, tmp_path):
+def test_a_fifo_is_refused_not_waited_on(home, tmp_path):
     fifo = tmp_path / "data.jsonl"
     os.mkfifo(fifo)
     # Nobody ever writes to it: a reader would block forever (the timeout fails the test then).
@@ -311,21 +308,21 @@ def test_15_a_fifo_is_refused_not_waited_on(home, tmp_path):
     one_line(r, "is not a regular file")
 
 
-def test_15_dev_zero_is_refused(home, tmp_path):
+def test_dev_zero_is_refused(home, tmp_path):
     one_line(tune("/dev/zero", tmp_path / "s", timeout=120), "/dev/zero is not a regular file")
     one_line(run_cli(["tune", "--config", "/dev/zero"], timeout=120), "config /dev/zero is not a regular file")
 
 
-def test_15_a_line_longer_than_the_bound_is_refused(home, tmp_path):
+def test_a_line_longer_than_the_bound_is_refused(home, tmp_path):
     long = tmp_path / "long.jsonl"
     long.write_bytes(b'{"prompt": "' + b"x" * (17 << 20) + b'", "completion": "y"}\n')
     one_line(tune(long, tmp_path / "s"), "line 1 is longer than the 16 MiB a line may hold")
     assert not (tmp_path / "s").exists()
 
 
-def test_15_the_line_bound_holds_wherever_the_pieces_break():
-    from runtime.data.train import CHUNK_BYTES, MAX_LINE_BYTES, bounded_lines
-    from runtime.errors import SpillpackError
+def test_the_line_bound_holds_wherever_the_pieces_break():
+    from runtime.data.jsonl import CHUNK_BYTES, MAX_LINE_BYTES, bounded_lines
+    from runtime.base.errors import SpillpackError
 
     def pieces(data: bytes, size: int):
         return (data[i:i + size] for i in range(0, len(data), size))
@@ -344,7 +341,7 @@ def _put(s3, uri: str, data: bytes) -> str:
     return uri
 
 
-def test_15_data_on_s3_has_the_same_line_bound(home, tmp_path, s3, s3_uri):
+def test_data_on_s3_has_the_same_line_bound(home, tmp_path, s3, s3_uri):
     long = b'{"custom_id": "a", "prompt": "hi"}\n{"custom_id": "b", "prompt": "' + b"x" * (17 << 20) + b'"}\n'
     r = run_cli(["run", "tiny", _put(s3, f"{s3_uri}/in.jsonl", long), "--state", str(tmp_path / "r")])
     one_line(r, f"{s3_uri}/in.jsonl line 2 is longer than the 16 MiB a line may hold", "aws s3 cp")
@@ -353,14 +350,14 @@ def test_15_data_on_s3_has_the_same_line_bound(home, tmp_path, s3, s3_uri):
     assert not (tmp_path / "t").exists()
 
 
-def test_15_an_s3_object_that_is_not_jsonl_is_not_read_to_its_end(home, s3, s3_uri):
+def test_an_s3_object_that_is_not_jsonl_is_not_read_to_its_end(home, s3, s3_uri):
     """64 MiB without a newline: the read stops once a line passes the bound, so little more
     than that is ever held (measured in a fresh process, from after the S3 client is made, so
     neither botocore's models nor the in-process moto server's copies count)."""
     uri = _put(s3, f"{s3_uri}/weights.bin", os.urandom(1 << 20).replace(b"\n", b" ") * 64)
     probe = ("import tracemalloc; tracemalloc.start()\n"
-             "from runtime.data.train import read_bytes\n"
-             "from runtime.errors import SpillpackError\n"
+             "from runtime.data.jsonl import read_bytes\n"
+             "from runtime.base.errors import SpillpackError\n"
              "from runtime.state.store import open_store\n"
              f"open_store({s3_uri!r}).size('weights.bin')\n"
              "before = tracemalloc.get_traced_memory()[0]; tracemalloc.reset_peak()\n"
@@ -373,7 +370,7 @@ def test_15_an_s3_object_that_is_not_jsonl_is_not_read_to_its_end(home, s3, s3_u
     assert int(held_mib) < 32, held_mib  # the whole object is 64 MiB
 
 
-def test_15_rank_is_bounded_by_the_layer_width(home, data, tmp_path):
+def test_rank_is_bounded_by_the_layer_width(home, data, tmp_path):
     one_line(tune(data, tmp_path / "s", "--rank", "100000"), "--rank 100000 is more than the width of k_proj (64)")
     assert not (tmp_path / "s").exists()
     r = tune(data, tmp_path / "ok", "--rank", "64", "--targets", "k_proj")
@@ -398,20 +395,20 @@ def dead_endpoint(monkeypatch) -> dict:
     return env
 
 
-def test_16_an_unreachable_s3_endpoint_is_one_line(home, data, tmp_path, dead_endpoint):
+def test_an_unreachable_s3_endpoint_is_one_line(home, data, tmp_path, dead_endpoint):
     r = tune(data, "s3://bucket/state")
     one_line(r, "cannot reach the S3 endpoint", "AWS_ENDPOINT_URL")
     assert steps_of(r) == []
 
 
-def test_16_an_unreachable_s3_endpoint_gives_up_instead_of_retrying_for_long(dead_endpoint):
+def test_an_unreachable_s3_endpoint_gives_up_instead_of_retrying_for_long(dead_endpoint):
     """The store gives up on a connection that was never made, within its ~10 s budget
     (docs/environment.md), where botocore alone makes its 10 attempts per request with backoff
     (24-43 s for a create and a delete). Attempts are counted, not seconds: refused connections
     fail at once, so the budget's waits (0.5, 1, 2, 2, 2, 2 s) allow 7 for the probe and one for
     its clean-up; a slower machine only makes fewer."""
     pytest.importorskip("boto3")
-    from runtime.errors import SpillpackError
+    from runtime.base.errors import SpillpackError
     from runtime.state.s3 import S3Store
 
     store = S3Store("s3://bucket/state")
@@ -428,7 +425,7 @@ def test_16_an_unreachable_s3_endpoint_gives_up_instead_of_retrying_for_long(dea
 @pytest.mark.parametrize("content,expect", [(None, "\"content\" is null"),
                                             ([{"type": "image_url", "image_url": {"url": "x"}}], "'image_url' is not supported"),
                                             (7, "must be a string or a list of text parts")])
-def test_17_bad_content_is_one_line_in_tune_and_a_row_error_in_run(home, tmp_path, content, expect):
+def test_bad_content_is_one_line_in_tune_and_a_row_error_in_run(home, tmp_path, content, expect):
     bad = jsonl(tmp_path / "t.jsonl", [{"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "y"}]}])
     one_line(tune(bad, tmp_path / "s"), "line 1: message 1 (user): ", expect)
     rows = jsonl(tmp_path / "r.jsonl", [{"custom_id": "bad", "body": {"messages": [{"role": "user", "content": content}]}},
@@ -441,7 +438,7 @@ def test_17_bad_content_is_one_line_in_tune_and_a_row_error_in_run(home, tmp_pat
 
 
 @pytest.mark.slow
-def test_17_content_as_text_parts_is_the_same_as_a_string(home, tmp_path):
+def test_content_as_text_parts_is_the_same_as_a_string(home, tmp_path):
     parts = lambda t: [{"type": "text", "text": t}]
     as_parts = jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": m["role"], "content": parts(m["content"])} for m in r["messages"]]}
                                             for r in CHAT])
@@ -457,14 +454,14 @@ def test_17_content_as_text_parts_is_the_same_as_a_string(home, tmp_path):
     assert body("ra")["choices"] == body("rb")["choices"] and body("ra")["usage"] == body("rb")["usage"]
 
 
-def test_17_targets_comma_and_seed_minus_one(home, data, tmp_path):
+def test_targets_comma_and_seed_minus_one(home, data, tmp_path):
     one_line(tune(data, tmp_path / "s", "--targets", ","), "--targets ',' names no layer")
     one_line(tune(data, tmp_path / "s", "--seed", "-1"), "--seed must be 0 or more")
     assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.slow
-def test_17_a_corrupt_job_json(home, data, tmp_path):
+def test_a_corrupt_job_json(home, data, tmp_path):
     state = tmp_path / "s"
     assert tune(data, state, "--steps", "3", "--ckpt-every", "1", "--stop-after", "1").returncode == 0
     (state / "job.json").write_text('{"comm')
@@ -474,14 +471,14 @@ def test_17_a_corrupt_job_json(home, data, tmp_path):
     assert r.returncode == 0 and done_of(r)["complete"], r.stderr
 
 
-def test_17_an_unwritable_spillpack_home(home, data, tmp_path):
+def test_an_unwritable_spillpack_home(home, data, tmp_path):
     r = run_cli(["tune", "tiny", data, "--steps", "2"], env={"SPILLPACK_HOME": "/proc/spillpack-home"})
     one_line(r, "SPILLPACK_HOME /proc/spillpack-home cannot be used", "export SPILLPACK_HOME=")
 
 
 @needs_mounts
 @pytest.mark.slow
-def test_17_a_full_disk_is_one_line_and_the_job_continues_once_there_is_room(home, data, tmp_path):
+def test_a_full_disk_is_one_line_and_the_job_continues_once_there_is_room(home, data, tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     out = tmp_path / "out"
@@ -499,7 +496,7 @@ def test_17_a_full_disk_is_one_line_and_the_job_continues_once_there_is_room(hom
 
 
 @pytest.mark.slow
-def test_19_old_checkpoint_folders_go_and_losses_live_in_the_log(home, data, tmp_path):
+def test_old_checkpoint_folders_go_and_losses_live_in_the_log(home, data, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     args = ["--steps", "9", "--ckpt-every", "2"]
     assert tune(data, whole, *args).returncode == 0
@@ -522,14 +519,14 @@ def test_19_old_checkpoint_folders_go_and_losses_live_in_the_log(home, data, tmp
 # -- 20: messages that name the right thing ------------------------------------------------------------------
 
 
-def test_20_a_run_state_used_by_tune_says_so(home, data, tmp_path):
+def test_a_run_state_used_by_tune_says_so(home, data, tmp_path):
     state = tmp_path / "s"
     rows = jsonl(tmp_path / "in.jsonl", [{"custom_id": "a", "prompt": "hi"}])
     assert run_cli(["run", "tiny", rows, "--max-tokens", "2", "--state", str(state)]).returncode == 0
     one_line(tune(data, state), "holds a run job, not a tune job")
 
 
-def test_20_a_config_of_another_version_is_not_told_to_add_version_1(tmp_path):
+def test_a_config_of_another_version_is_not_told_to_add_version_1(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"spillpack_config": 99, "command": "tune", "arguments": {}, "options": {}}))
     line = one_line(run_cli(["tune", "--config", str(cfg)]), "version 99")
@@ -550,7 +547,7 @@ def _known_flags() -> set[str]:
     return flags
 
 
-def test_20_every_try_names_flags_that_exist():
+def test_every_try_names_flags_that_exist():
     """Every string in an error's advice (SpillpackError, UsageError and the helpers that build
     them) names only flags some command takes: no --model, no --data."""
     import re
@@ -575,7 +572,7 @@ def test_20_every_try_names_flags_that_exist():
 # -- 21: unknown roles; pack validates the job as the runtime will --------------------------------------------
 
 
-def test_21_an_unknown_role_is_refused_in_tune_and_is_a_row_error_in_run(home, tmp_path):
+def test_an_unknown_role_is_refused_in_tune_and_is_a_row_error_in_run(home, tmp_path):
     wizard = [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]
     one_line(tune(jsonl(tmp_path / "t.jsonl", [{"messages": wizard}]), tmp_path / "s"), "unknown role 'wizard'")
     rows = jsonl(tmp_path / "r.jsonl", [{"custom_id": "w", "body": {"messages": wizard[:1]}}, {"custom_id": "ok", "prompt": "hi"}])
@@ -585,7 +582,7 @@ def test_21_an_unknown_role_is_refused_in_tune_and_is_a_row_error_in_run(home, t
 
 
 @pytest.mark.parametrize("case", ["lr", "not-json", "wizard", "no-custom-id"])
-def test_21_pack_refuses_a_job_the_runtime_would_refuse(home, data, tmp_path, case):
+def test_pack_refuses_a_job_the_runtime_would_refuse(home, data, tmp_path, case):
     cmd = {"lr": ["tune", "tiny", data, "--lr", "-1"],
            "not-json": ["tune", "tiny", jsonl(tmp_path / "bad.jsonl", ["not json"])],
            "wizard": ["tune", "tiny", jsonl(tmp_path / "w.jsonl", [{"messages": [{"role": "wizard", "content": "x"},

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import REPO, clean_env, run_cli
-from tests.scheduler_checks import kubernetes_problems, skypilot_problems
+from tests.support.scheduler_checks import kubernetes_problems, skypilot_problems
 
 # Everything that ends a comment, a quoted string or a command, in one name (no '/': it is a file name).
 HOSTILE = "evil\ntouch PWNED\n$(touch PWNED)`touch PWNED`;touch PWNED;'q\" #x: y\r\n- z"
@@ -67,7 +67,7 @@ def test_a_template_value_without_a_quoting_filter_is_refused():
     """The class, not the instance: scheduler templates cannot paste a value unquoted."""
     import jinja2
 
-    from spillpack.schedulers import _env
+    from spillpack.schedulers.files import _env
 
     with pytest.raises(jinja2.TemplateError, match="unquoted"):
         _env.from_string("name: {{ name }}\n").render(name=HOSTILE)
@@ -260,7 +260,7 @@ def test_credentials_in_the_endpoint_url_are_never_shown_or_stored(home, tmp_pat
 
 
 def test_redact_takes_the_userinfo_of_every_url():
-    from runtime.errors import SpillpackError, redact
+    from runtime.base.errors import SpillpackError, redact
 
     assert redact("at http://u:p@ss@h:9/b/k and HTTPS://tok@h2 but s3://bkt/a@b") == \
         "at http://***@h:9/b/k and HTTPS://***@h2 but s3://bkt/a@b"

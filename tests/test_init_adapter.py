@@ -8,11 +8,12 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from conftest import REPO, events_of, run_cli
-from hf_fixtures import SMALL, _randomize, _save, copy_tiny_tokenizer
+from tests.conftest import REPO, events_of, run_cli
+from tests.support.hf_fixtures import SMALL, _randomize, _save, copy_tiny_tokenizer
 from runtime.models.tiny import ensure_tiny
 from runtime.data.train import BatchOrder, collate, load_train_data
-from runtime.engines import OptimSpec, get_engine
+from runtime.engines import OptimSpec
+from runtime.engines.registry import get_engine
 from runtime.jobs import init_adapter
 from runtime.models.ref import resolve_model
 from runtime.models.tokenizer import Tokenizer

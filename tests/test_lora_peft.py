@@ -4,10 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from hf_fixtures import make_llama, make_qwen2
+from tests.support.hf_fixtures import make_llama, make_qwen2
 from runtime.models.lora import LoraSpec, init_tensors, load_adapter, save_adapter
 from runtime.data.train import Example, collate
-from runtime.engines import OptimSpec, get_engine
+from runtime.engines import OptimSpec
+from runtime.engines.registry import get_engine
 from runtime.models.ref import resolve_model
 
 peft = pytest.importorskip("peft")

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import REPO, events_of, run_cli
-from memory_shapes import make_data, make_shape
+from tests.support.memory_shapes import make_data, make_shape
 
 DATA = str(REPO / "examples/data/train.jsonl")
 TUNE = ["tune", "tiny", DATA, "--steps", "6", "--batch", "4", "--lr", "2e-3", "--rank", "8",
@@ -198,7 +198,8 @@ def test_chunked_loss_equals_the_unchunked_one(home, engine):
     backward) gives the loss and LoRA gradients of the whole at once, within 1e-6 in float32."""
     if engine == "mlx":
         pytest.importorskip("mlx.core")
-    from runtime.engines import OptimSpec, get_engine
+    from runtime.engines import OptimSpec
+    from runtime.engines.registry import get_engine
     from runtime.models.lora import LoraSpec, init_tensors
     from runtime.models.ref import resolve_model
 

@@ -5,7 +5,7 @@ import torch
 
 from runtime.models.ref import resolve_model
 from runtime.engines.torch.models import load_model
-from tests.hf_fixtures import make_llama, make_qwen2
+from tests.support.hf_fixtures import make_llama, make_qwen2
 
 TOL = 1e-4
 
@@ -144,7 +144,7 @@ def test_tiny_loads_and_runs():
 import json  # noqa: E402
 import shutil  # noqa: E402
 
-from runtime.errors import SpillpackError  # noqa: E402
+from runtime.base.errors import SpillpackError  # noqa: E402
 
 
 def copy_tiny(dst):

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from runtime.core.notices import NoticeWatcher
-from runtime.core.signals import Preemption
+from runtime.base.signals import Preemption
 from tests.conftest import REPO, events_of
 
 TOKEN = "fake-imdsv2-token"

@@ -89,7 +89,7 @@ def test_path_that_cannot_be_made_bundle_relative_exits_1(phome, tmp_path):
 
 def test_manifest_is_one_type_read_back_field_by_field(tmp_path):
     from runtime.bootstrap.manifest import FileEntry, Manifest
-    from runtime.errors import SpillpackError
+    from runtime.base.errors import SpillpackError
 
     m = Manifest(packer="spillpack 0", command="tune", name="x", python="3.11", platforms=["manylinux_2_17_x86_64"],
                  zipapp={}, with_torch="cpu", files={"files/job.json": FileEntry(3, "ab" * 32, "command line")})
@@ -346,3 +346,16 @@ def test_resume_of_a_bundle_folder_runs_from_anywhere_through_its_manifest(phome
     lines = [l for l in r.stderr.splitlines() if l.startswith("spillpack:")]
     assert len(lines) == 1 and "files/data/train.jsonl" in lines[0] and "damaged" in lines[0], r.stderr
     assert not (home2 / "jobs" / "packed" / "commits").exists()
+
+
+@pytest.mark.slow
+def test_the_zipapp_carries_the_runtime_and_no_laptop_code(phome, data, tmp_path):
+    """spillpack.pyz holds every runtime module and nothing of the laptop side: not the packer,
+    not `status --plot` (matplotlib is never carried), not the scheduler examples."""
+    assert pack(["tune", "tiny", str(data), *JOB, "-o", str(tmp_path / "b")]).returncode == 0
+    names = zipfile.ZipFile(tmp_path / "b" / "spillpack.pyz").namelist()
+    carried = {n.split("site-packages/", 1)[1] for n in names if "site-packages/" in n and n.endswith(".py")}
+    runtime_modules = {m for m in carried if m.startswith("runtime/")}
+    assert runtime_modules == {str(p.relative_to(REPO)) for p in (REPO / "runtime").rglob("*.py")}
+    assert not [m for m in carried if m.startswith(("spillpack/", "matplotlib/", "shiv/"))]
+    assert not [m for m in carried if m.rsplit("/", 1)[-1] in ("plot.py", "examples.py")]

@@ -8,9 +8,9 @@ import signal
 import pytest
 
 from conftest import REPO, events_of, run_cli
-from jobproc import signal_after, start
+from tests.support.jobproc import signal_after, start
 from test_tune import assert_same
-from s3_fixtures import fault_proxy, s3, s3_uri  # noqa: F401
+from tests.support.s3_fixtures import fault_proxy, s3, s3_uri  # noqa: F401
 
 DATA = str(REPO / "examples/data/train.jsonl")
 TUNE = ["tune", "tiny", DATA, "--steps", "12", "--batch", "4", "--lr", "2e-3", "--targets", "q_proj,v_proj", "--rank", "4",

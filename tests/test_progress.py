@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from conftest import REPO
-from runtime.core.progress import ByteProgress
+from runtime.base.progress import ByteProgress
 
 
 def test_line_has_bytes_rate_and_time_left():
@@ -26,7 +26,7 @@ def test_nothing_off_a_terminal():
 
 
 def test_on_a_terminal_and_not_when_headless(tmp_path):
-    code = ("import time; from runtime.core.progress import ByteProgress, EVERY_S\n"
+    code = ("import time; from runtime.base.progress import ByteProgress, EVERY_S\n"
             "p = ByteProgress('packing', 1 << 30)\n"
             "for i in range(3):\n    p.update((i + 1) << 28); time.sleep(EVERY_S * 1.5)\n"
             "p.close()\n")

@@ -14,7 +14,7 @@ import pytest
 
 from runtime.core import requeue
 from tests.conftest import events_of, run_cli
-from tests.jobproc import start
+from tests.support.jobproc import start
 
 TINY = ["tune", "tiny", "examples/data/train.jsonl", "--steps", "400", "--rank", "64",
         "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.jobs.metrics import score, wilson
 from runtime.data.rows import parse_rows
 from tests.conftest import REPO, events_of, run_cli

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.models.ref import resolve_model
 from runtime.state.staging import MANIFEST, cache_dir, stage
 from tests.conftest import REPO
-from tests.s3_fixtures import fault_proxy, s3, s3_uri  # noqa: F401
+from tests.support.s3_fixtures import fault_proxy, s3, s3_uri  # noqa: F401
 
 
 def upload_dir(s3, uri, local):

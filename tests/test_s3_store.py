@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.state.s3 import S3Store
 from runtime.state.jobstate import JobState, StateConflict
-from runtime.state.store import open_store
-from tests.s3_fixtures import fault_proxy, s3, s3_uri  # noqa: F401
+from runtime.state.uri import open_store
+from tests.support.s3_fixtures import fault_proxy, s3, s3_uri  # noqa: F401
 
 BIG = 21 * 1024 * 1024  # above the 16 MB multipart threshold: 2 parts
 
@@ -85,13 +85,13 @@ def test_two_job_states_racing_one_commit(s3_uri, via_proxy):
     b = JobState(open_store(s3_uri), {"job": 1})
     a.open()
     b.open()
-    a.commit_checkpoint(1, {"t": b"from a"})
+    a.checkpoints.commit(1, {"t": b"from a"})
     with pytest.raises(StateConflict) as e:
-        b.commit_checkpoint(1, {"t": b"from b"})
+        b.checkpoints.commit(1, {"t": b"from b"})
     assert "another process committed" in e.value.line()
     latest = JobState(open_store(s3_uri), {"job": 1})
     latest.open()
-    assert latest.read_file(latest.latest_checkpoint(), "t") == b"from a"
+    assert latest.read_file(latest.checkpoints.latest(), "t") == b"from a"
 
 
 def test_server_ignoring_conditional_writes_is_refused(s3_uri, via_proxy):

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load as st_load
 
 from tests.conftest import REPO, events_of, run_cli
-from tests.s3_fixtures import CANARY_KEY_ID, CANARY_SECRET, fault_proxy, s3, s3_uri  # noqa: F401
+from tests.support.s3_fixtures import CANARY_KEY_ID, CANARY_SECRET, fault_proxy, s3, s3_uri  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

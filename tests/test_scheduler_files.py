@@ -1,6 +1,6 @@
 """The scheduler examples: rendered from the templates pack uses, and checked by each
 scheduler's own validator (SkyPilot's parser, Kubernetes' OpenAPI schemas in strict mode)
-plus the rules those let through (tests/scheduler_checks.py). The Slurm script is run on
+plus the rules those let through (tests/support/scheduler_checks.py). The Slurm script is run on
 a real cluster in tests/test_slurm.py."""
 
 import copy
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spillpack.schedulers import BUILD_EXAMPLE, EXAMPLE, EXAMPLE_SHARDED, EXAMPLES, KINDS, render, values_for
+from spillpack.schedulers.examples import BUILD_EXAMPLE, EXAMPLE, EXAMPLE_SHARDED, EXAMPLES
+from spillpack.schedulers.files import KINDS, render, values_for
 from tests.conftest import REPO
-from tests.scheduler_checks import kubernetes_problems, skypilot_problems
+from tests.support.scheduler_checks import kubernetes_problems, skypilot_problems
 
 K8S_VERSIONS = ("1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0")  # what the examples claim (podFailurePolicy GA in 1.31)
 
@@ -46,7 +47,7 @@ def sky_parse(path: Path, *env: str) -> dict:
     if py is None:
         pytest.skip("skypilot is not installed: make setup builds .venv-sky (or SPILLPACK_SKY_PYTHON=python-with-skypilot)")
     args = [a for kv in env for a in ("--env", kv)]
-    r = subprocess.run([py, str(REPO / "tests/sky_parse.py"), str(path), *args], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([py, str(REPO / "tests/support/sky_parse.py"), str(path), *args], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise AssertionError(f"sky.Task.from_yaml refused {path.name}:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.splitlines()[-1])

@@ -10,9 +10,10 @@ import pytest
 import yaml
 
 from conftest import REPO, run_cli
-from scheduler_checks import kubernetes_problems, skypilot_problems
-from spillpack.schedulers import EXAMPLE_GROUP as G
-from spillpack.schedulers import EXAMPLES, KINDS, render
+from tests.support.scheduler_checks import kubernetes_problems, skypilot_problems
+from spillpack.schedulers.examples import EXAMPLE_GROUP as G
+from spillpack.schedulers.examples import EXAMPLES
+from spillpack.schedulers.files import KINDS, render
 from test_scheduler_files import K8S_VERSIONS, sky_parse
 
 

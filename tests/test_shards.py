@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.jobs import shards
 from tests.conftest import REPO, events_of, run_cli
 

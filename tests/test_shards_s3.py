@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from tests.conftest import REPO, events_of, run_cli
-from tests.s3_fixtures import fault_proxy, s3, s3_uri  # noqa: F401
+from tests.support.s3_fixtures import fault_proxy, s3, s3_uri  # noqa: F401
 from tests.test_shards import rows_file
 
 pytestmark = pytest.mark.slow

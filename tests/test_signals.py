@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from runtime.core.signals import Abandon, Preemption
+from runtime.base.signals import Abandon, Preemption
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from conftest import REPO, events_of, run_cli
-from jobproc import run_until
+from tests.support.jobproc import run_until
 
 EXAMPLES = REPO / "examples" / "data"
 

@@ -5,9 +5,10 @@ import multiprocessing as mp
 import orjson
 import pytest
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.state.jobstate import JobState, StateConflict
-from runtime.state.store import LocalStore, open_store
+from runtime.state.store import LocalStore
+from runtime.state.uri import open_store
 
 IDENTITY = {"command": "tune", "lr": 0.0001, "model": "abc"}
 
@@ -20,40 +21,40 @@ def opened(path, identity=IDENTITY):
 
 def test_checkpoint_exists_only_once_committed(tmp_path):
     s = opened(tmp_path)
-    s.commit_checkpoint(5, {"a.bin": b"five"})
+    s.checkpoints.commit(5, {"a.bin": b"five"})
     # A writer that died after its files but before its commit record:
     s.store.write("checkpoints/00000002-dead/a.bin", b"torn")
     # ... and a torn record from a filesystem that does not write atomically:
     s.store.write("commits/00000003.json", b'{"seq": 3, "kind": "checkp')
     t = opened(tmp_path)
-    latest = t.latest_checkpoint()
+    latest = t.checkpoints.latest()
     assert latest.step == 5 and t.read_file(latest, "a.bin") == b"five"
 
 
 def test_record_pointing_at_missing_or_damaged_files(tmp_path):
     s = opened(tmp_path)
-    s.commit_checkpoint(1, {"a.bin": b"one"})
-    c2, _ = s.commit_checkpoint(2, {"a.bin": b"two"})
+    s.checkpoints.commit(1, {"a.bin": b"one"})
+    c2, _ = s.checkpoints.commit(2, {"a.bin": b"two"})
     s.store.delete(c2.files["a.bin"]["key"])
-    assert opened(tmp_path).latest_checkpoint().step == 1  # incomplete: fall back
-    c3, _ = s.commit_checkpoint(3, {"a.bin": b"333"})
+    assert opened(tmp_path).checkpoints.latest().step == 1  # incomplete: fall back
+    c3, _ = s.checkpoints.commit(3, {"a.bin": b"333"})
     s.store.write(c3.files["a.bin"]["key"], b"xyz")  # same size, other bytes
     t = opened(tmp_path)
     with pytest.raises(SpillpackError, match="is damaged"):
-        t.read_file(t.latest_checkpoint(), "a.bin")
+        t.read_file(t.checkpoints.latest(), "a.bin")
 
 
 def test_two_newest_checkpoints_are_kept(tmp_path):
     s = opened(tmp_path)
     for step in range(1, 6):
-        s.commit_checkpoint(step, {"a.bin": str(step).encode()})
-    commits = [c for c in s._commits() if c.kind == "checkpoint"]
+        s.checkpoints.commit(step, {"a.bin": str(step).encode()})
+    commits = [c for c in s.commits() if c.kind == "checkpoint"]
     assert [c.step for c in commits] == [4, 5]
     assert len(s.store.list("checkpoints/")) == 2
 
 
 def test_another_job_is_refused(tmp_path):
-    opened(tmp_path).commit_checkpoint(1, {"a.bin": b"x"})
+    opened(tmp_path).checkpoints.commit(1, {"a.bin": b"x"})
     with pytest.raises(SpillpackError, match="holds a different job: lr is 0.0001 there and 0.001 here"):
         opened(tmp_path, {**IDENTITY, "lr": 0.001})
 
@@ -63,7 +64,7 @@ def _race(path, barrier, results, i):
     s.open()
     barrier.wait()
     try:
-        s.commit_checkpoint(10 + i, {"a.bin": f"writer {i}".encode()})
+        s.checkpoints.commit(10 + i, {"a.bin": f"writer {i}".encode()})
         results.put(("won", i))
     except StateConflict:
         results.put(("lost", i))
@@ -82,17 +83,17 @@ def test_racing_writers_exactly_one_wins(tmp_path):
     winners = [i for what, i in outcome if what == "won"]
     assert len(winners) == 1
     t = opened(tmp_path)
-    latest = t.latest_checkpoint()
+    latest = t.checkpoints.latest()
     assert t.read_file(latest, "a.bin") == f"writer {winners[0]}".encode()
 
 
 def test_segments_and_history(tmp_path):
     s = opened(tmp_path)
-    s.commit_segment(b'{"custom_id": "a"}\n', 1)
-    s.commit_segment(b'{"custom_id": "b"}\n', 1)
+    s.rows.commit(b'{"custom_id": "a"}\n', 1)
+    s.rows.commit(b'{"custom_id": "b"}\n', 1)
     s.log("interrupted", signal="SIGTERM", step=2)
     t = opened(tmp_path)
-    assert [t.read_file(c, "rows") for c in t.segments()] == [b'{"custom_id": "a"}\n', b'{"custom_id": "b"}\n']
+    assert [t.read_file(c, "rows") for c in t.rows.all()] == [b'{"custom_id": "a"}\n', b'{"custom_id": "b"}\n']
     whats = [h["what"] for h in t.history()]
     assert whats == ["open", "checkpoint", "checkpoint", "interrupted", "open"]
     assert all(h["engine"] == "torch-cpu" and h["host"] for h in t.history())

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from conftest import REPO, events_of, run_cli
-from jobproc import start
+from tests.support.jobproc import start
 
 GOLDEN = REPO / "tests" / "golden"
 DATA = str(REPO / "examples/data/train.jsonl")

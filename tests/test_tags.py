@@ -8,7 +8,7 @@ import pytest
 from runtime.models.arch import ARCHITECTURES
 from runtime.models.ref import TAGS
 from tests.conftest import events_of, run_cli
-from tests.hf_fixtures import make_qwen2
+from tests.support.hf_fixtures import make_qwen2
 
 ISSUE_TAGS = ([f"qwen2.5:{s}" for s in ("0.5b", "1.5b", "3b", "7b", "14b")]
               + [f"qwen3:{s}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b", "30b-a3b")]

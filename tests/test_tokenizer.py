@@ -2,10 +2,10 @@
 
 import pytest
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.models.tiny import ensure_tiny
 from runtime.models.tokenizer import Tokenizer
-from tests.hf_fixtures import make_llama_tokenizer
+from tests.support.hf_fixtures import make_llama_tokenizer
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import REPO, events_of, run_cli
-from jobproc import run_until
+from tests.support.jobproc import run_until
 
 DATA = str(REPO / "examples/data/train.jsonl")
 BASE = ["tune", "tiny", DATA, "--steps", "40", "--batch", "4", "--lr", "2e-3", "--warmup", "5",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, events_of, run_cli
-from jobproc import run_until
+from tests.support.jobproc import run_until
 from runtime.commands.status import resume_promise
 from runtime.jobs.tune import engine_estimate
 

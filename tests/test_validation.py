@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from conftest import REPO, events_of, run_cli
-from jobproc import run_until
+from tests.conftest import REPO, events_of, run_cli
+from tests.support.jobproc import run_until
 from runtime.data.train import load_train_data
 from runtime.data.validation import held_out
 from runtime.models.tokenizer import Tokenizer
@@ -31,7 +31,7 @@ def test_the_split_is_a_seeded_hash_of_each_row():
 
 def test_val_loss_equals_peft_on_the_same_rows(home, tmp_path):
     peft = pytest.importorskip("peft")
-    from hf_fixtures import make_qwen2
+    from tests.support.hf_fixtures import make_qwen2
 
     path, hf = make_qwen2(tmp_path / "base")
     out = tmp_path / "out"

@@ -8,6 +8,6 @@ start.py      the zipapp's entry point (what run.sh starts, once shiv has unpack
 early.py      the zipapp's first code (copied to its root): records a stop while shiv unpacks
 
 Standard library only (tests/test_layout.py holds it to that): it runs before sys.path is
-complete, and the packer imports it. Of the rest of runtime/ it imports only runtime.errors and
-runtime.fileio (both stdlib-only), and hands over to runtime.cli once the path is complete.
+complete, and the packer imports it. Of the rest of runtime/ it imports only runtime.base.errors and
+runtime.base.fileio (both stdlib-only), and hands over to runtime.cli once the path is complete.
 """

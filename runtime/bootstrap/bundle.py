@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 from runtime.bootstrap.manifest import BUNDLE_PREFIX, MANIFEST, PRIVATE_DIR, Manifest
-from runtime.errors import SpillpackError
-from runtime.fileio import sha256_bytes, sha256_file
+from runtime.base.errors import SpillpackError
+from runtime.base.fileio import sha256_bytes, sha256_file
 
 
 def _damaged(rel: str, why: str) -> SpillpackError:

@@ -1,7 +1,7 @@
 """The zipapp's very first code: its __main__ calls `main()` here, before shiv unpacks its
 site-packages (a second or more on a machine's first start) and before anything of runtime/
 is importable. A stop (SIGTERM, SIGHUP, SIGINT) meanwhile is only recorded; the process's
-real handler (runtime.core.signals.install_process_handler) takes it over once the job's
+real handler (runtime.base.signals.install_process_handler) takes it over once the job's
 code is on the path, so it exits 75 with nothing written instead of the default 143.
 
 The packer copies this file to the archive's root as `_spillpack_early.py` (spillpack/pack/
@@ -22,6 +22,6 @@ def _record(signum, frame) -> None:
 def main() -> None:
     for sig in SIGNALS:
         signal.signal(sig, _record)
-    import _bootstrap  # shiv's: unpack site-packages once, put it on sys.path, call runtime.bootstrap.start:entry
+    import _bootstrap  # shiv's: unpack site-packages once, put it on sys.path, call runtime.entry:bundle
 
     _bootstrap.bootstrap()

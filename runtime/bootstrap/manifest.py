@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 MANIFEST = "MANIFEST.json"
 FORMAT = 1  # "spillpack_manifest": bumped when a reader of the old shape would misread the new one

@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 PLATFORM_DIR = "_spillpack_platforms"  # inside the zipapp's site-packages
 

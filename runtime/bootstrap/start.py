@@ -1,5 +1,6 @@
-"""What run.sh starts (the zipapp's entry point): find the bundle, activate this platform's
-compiled packages, install carried wheels on first start, then hand a Bundle to the CLI.
+"""The bundle's start-up before any job code: find the bundle, activate this platform's
+compiled packages, install carried wheels on first start (runtime/entry.py, the zipapp's
+entry point, then hands the Bundle to the CLI).
 
 `./run.sh --verify` stops here, after checking every file against MANIFEST.json.
 Standard library only at module level: it runs before sys.path is complete.
@@ -14,7 +15,6 @@ from runtime.bootstrap.bundle import Bundle
 from runtime.bootstrap.manifest import MANIFEST
 from runtime.bootstrap.platforms import activate
 from runtime.bootstrap.wheels import ensure_engines
-from runtime.errors import SpillpackError
 
 
 def bundle_root() -> Path | None:
@@ -42,24 +42,3 @@ def prepare(argv: list[str]) -> Bundle | int | None:
     if "--help" not in argv and "-h" not in argv:
         ensure_engines(root, bundle.manifest, tag)
     return bundle
-
-
-def entry() -> None:
-    from runtime.core.signals import Abandon, install_process_handler
-
-    install_process_handler()  # first: a stop while the bundle starts (wheels, imports) exits 75, not 143
-    argv = sys.argv[1:]
-    try:
-        bundle = prepare(argv)
-    except SpillpackError as e:
-        sys.stderr.write(e.line() + "\n")
-        sys.exit(e.exit_code)
-    except Abandon:  # stopped while the first start unpacked its wheels: nothing of the job was written
-        from runtime.cli import exit_process, stopped_while_starting
-
-        exit_process(stopped_while_starting(argv))
-    if isinstance(bundle, int):
-        sys.exit(bundle)
-    from runtime.cli import exit_process, main
-
-    exit_process(main(argv, bundle=bundle))

@@ -15,8 +15,8 @@ import zipfile
 from pathlib import Path
 
 from runtime.bootstrap.manifest import PRIVATE_DIR, WHEELS_DIR, Manifest
-from runtime.core.signals import process_handler
-from runtime.errors import SpillpackError
+from runtime.base.signals import process_handler
+from runtime.base.errors import SpillpackError
 
 
 def unpack_wheel(whl: Path, dest: Path) -> None:

@@ -4,10 +4,10 @@ import platform
 import sys
 
 from runtime import __version__
-from runtime.core.allotment import cpus
+from runtime.base.allotment import cpus
 from runtime.engines.hardware import ENGINE_NAMES, choose_engine, cuda_facts, disk_free_gb, measure, memory_for, memory_gb, probe, remember_rate
 from runtime.engines.nvidia import CudaFacts
-from runtime.paths import spillpack_home
+from runtime.base.paths import spillpack_home
 
 
 def add_arguments(p):

@@ -10,14 +10,14 @@ import importlib
 
 import orjson
 
-from runtime import launch
+from runtime.core import launch
 from runtime.bootstrap.bundle import Bundle
 from runtime.config.commands import COMMANDS, options_for
 from runtime.config.options import SHARED
 from runtime.config.invocation import check_config, read_config, resolve
-from runtime.errors import SpillpackError, UsageError
+from runtime.base.errors import SpillpackError, UsageError
 from runtime.state.store import local_file
-from runtime.state.store import open_store
+from runtime.state.uri import open_store
 
 
 # How this process runs, not what the job is: never replayed from the saved config, and

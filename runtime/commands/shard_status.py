@@ -19,16 +19,16 @@ def annotations(root: JobState) -> list[dict] | None:
         return None
     shards, out = [], []
     for i in range(n):
-        state = root.shard(i)
+        state = root.shards.shard(i)
         own = state.claimed()
         if own is None:
             shards.append({"shard": i, "rows_done": 0, "rows": None, "done": False, "started": False})
             out.append({"kind": "shard", "time": None, **shards[-1], "text": f"shard {i}: not started"})
             continue
         lo, hi = own.get("rows") or (0, 0)
-        done_rows = sum(c.step for c in state.segments())
+        done_rows = sum(c.step for c in state.rows.all())
         told = story(state, identity.get("command"))
-        finished = state.shard_done() is not None
+        finished = state.shards.done() is not None
         processes = sum(1 for a in told if a["kind"] == "process")
         interruptions = sum(1 for a in told if a["kind"] == "interrupted")
         hard = sum(1 for a in told if a["kind"] == "hard_kill")
@@ -39,7 +39,7 @@ def annotations(root: JobState) -> list[dict] | None:
                             f"{', done' if finished else ''}; {processes} process{'es' if processes != 1 else ''}, "
                             f"{interruptions} interruption{'s' if interruptions != 1 else ''}, {hard} hard kill{'s' if hard != 1 else ''}"})
         out += [{**a, "shard": i, "text": "  " + a["text"]} for a in told]
-    record = root.merge_record()
+    record = root.shards.merge_record()
     waiting = [s["shard"] for s in shards if not s["done"]]
     if record is not None:
         merge = {"merged": True, "by_shard": record.get("shard"), "host": record.get("host"), "seconds": record.get("seconds"),
@@ -48,8 +48,8 @@ def annotations(root: JobState) -> list[dict] | None:
         line = (f"merged: {record.get('rows')} rows by {by} on {record.get('host')} in {record.get('seconds')}s"
                 f"{' (completing a merge a kill cut short)' if record.get('completed_cut_short') else ''} "
                 f"-> {root.store.child_uri(RESULTS)}")
-    elif root.merge_claim() is not None:
-        claim = root.merge_claim()
+    elif root.shards.merge_claim() is not None:
+        claim = root.shards.merge_claim()
         merge = {"merged": False, "cut_short": True, "claimed_by_shard": claim.get("shard"), "host": claim.get("host")}
         line = (f"merge claimed by shard {claim.get('shard')} on {claim.get('host')} but not recorded: in progress, or cut "
                 f"short by a kill; a rerun of any shard, or spillpack resume {root.uri}, to complete it")

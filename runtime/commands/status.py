@@ -1,22 +1,20 @@
-"""`spillpack status URI [--plot FILE.png]`: the story of a job, told from its state's history
+"""`spillpack status URI`: the story of a job, told from its state's history
 (runtime/commands/story.py); a build's stages are told after it, each from its own state.
 
 On a terminal, one line per annotation; headless (`--headless`, or stdout not a terminal),
-one `status` event per annotation, in the order things happened. `--plot` draws the loss
-curve with the interruptions marked, and a build's before/after scores (runtime/commands/plot.py).
+one `status` event per annotation, in the order things happened. The laptop's `spillpack`
+adds `--plot` (spillpack/commands/status.py): a bundle carries no plotting library.
 """
 
 from runtime.commands import shard_status
 from runtime.commands.story import annotations, resume_promise  # noqa: F401 (resume_promise: part of this command's API)
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.state.jobstate import JobState
-from runtime.state.store import open_store
+from runtime.state.uri import open_store
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("uri", metavar="URI", help="a job's state: a path, file:// or s3:// URI")
-    parser.add_argument("--plot", metavar="FILE.png", help="also draw the loss curve (interruptions marked) or a build's scores "
-                                                           "into FILE.png (needs matplotlib: the laptop side)")
 
 
 def states(uri: str) -> list[tuple[str | None, JobState]]:
@@ -32,12 +30,9 @@ def states(uri: str) -> list[tuple[str | None, JobState]]:
     return out
 
 
-def main(ns: dict, events) -> int:
-    told = states(ns["uri"])
-    if ns.get("plot"):
-        from runtime.commands.plot import plot  # matplotlib: imported only when asked for
-
-        plot(told, ns["plot"])
+def main(ns: dict, events, told: list | None = None) -> int:
+    """`told`: the states, when the caller has read them already (the laptop's --plot)."""
+    told = states(ns["uri"]) if told is None else told
     for stage, state in told:
         invocation = state.invocation() or {}
         command, name = invocation.get("command"), (invocation.get("options") or {}).get("name")
@@ -50,6 +45,4 @@ def main(ns: dict, events) -> int:
                 events.emit("status", **({"stage": stage} if stage else {}), **{k: v for k, v in a.items() if k != "time" or v is not None})
             else:
                 print(("  " if stage else "") + a["text"])
-    if ns.get("plot"):
-        events.say(f"wrote {ns['plot']}")
     return 0

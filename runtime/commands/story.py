@@ -216,12 +216,12 @@ def losses(state: JobState) -> list[float]:
     """A tune's losses by step: the finished adapter's log, else the newest checkpoint's."""
     import orjson
 
-    from runtime.jobs.tune import CHECKPOINT_META
+    from runtime.jobs.tune_checkpoint import CHECKPOINT_META
 
     log = state.store.read("adapter/train_log.jsonl")
     if log:
         return [orjson.loads(line)["loss"] for line in log.splitlines() if line.strip()]
-    latest = state.latest_checkpoint()
+    latest = state.checkpoints.latest()
     if latest is None or CHECKPOINT_META not in latest.files:
         return []
     return list(orjson.loads(state.read_file(latest, CHECKPOINT_META)).get("losses") or [])

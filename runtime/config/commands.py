@@ -8,7 +8,7 @@ from pathlib import PurePosixPath
 from typing import Callable
 
 from runtime.config import options as O
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 BUILD_STAGES = ("eval-base", "distill", "tune", "eval-tuned")
 DEFAULT_RANK = 16

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from runtime.config.commands import COMMANDS, default_name, options_for
 from runtime.config.options import check_value
-from runtime.errors import SpillpackError, UsageError
-from runtime.fileio import atomic_write
+from runtime.base.errors import SpillpackError, UsageError
+from runtime.base.fileio import atomic_write
 
 CONFIG_VERSION = 1
 

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 from runtime.core.notices import MODES as NOTICE_MODES
 from runtime.engines.hardware import ENGINE_NAMES
-from runtime.errors import SpillpackError
-from runtime.jobs.metrics import METRICS
+from runtime.base.errors import SpillpackError
+
+# eval's scoring rules (runtime/jobs/metrics.py scores each): named here, where --metric is checked.
+METRICS = ("exact_match", "contains", "regex", "json_field")
 
 ENGINES = ("auto", *ENGINE_NAMES)
 GRAD_CHECKPOINT = ("auto", "on", "off")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import orjson
 
-from runtime.fileio import atomic_write
+from runtime.base.fileio import atomic_write
 
 COMMON_KEYS = ("event", "time", "command", "step", "loss", "tokens_per_s", "peak_mem_gb", "eta_s", "engine")
 

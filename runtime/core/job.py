@@ -26,17 +26,18 @@ from typing import Protocol
 
 import orjson
 
-from runtime.core import place, ranks, requeue
+from runtime.base import place, ranks
+from runtime.core import requeue
 from runtime.core.events import Events
 from runtime.core.notices import NoticeWatcher, start_watcher
-from runtime.core.signals import PROMISE_S, Abandon, Preemption, grace_from_env, install_process_handler
-from runtime.engines import get_engine
+from runtime.base.signals import PROMISE_S, Abandon, Preemption, grace_from_env, install_process_handler
+from runtime.engines.registry import get_engine, group_opener
 from runtime.engines.hardware import choose_engine
-from runtime.errors import EXIT_OK, EXIT_PREEMPTED, SpillpackError
-from runtime.fileio import sha256_bytes
-from runtime.paths import spillpack_home
+from runtime.base.errors import EXIT_OK, EXIT_PREEMPTED, SpillpackError
+from runtime.base.fileio import sha256_bytes
+from runtime.base.paths import spillpack_home
 from runtime.state.jobstate import JobState
-from runtime.state.store import open_store
+from runtime.state.uri import open_store
 
 RECENT_QUANTA = 10  # how many recent quanta judge whether the one in flight fits the promise
 
@@ -140,7 +141,7 @@ class Job:
                       **({"world": group.world, "hosts": group.hosts} if group else {}))
             state = root
             if shard is not None:
-                state = root.shard(shard["shard"], shard)
+                state = root.shards.shard(shard["shard"], shard)
                 state.open(**place.describe(engine_name), **start)
             root.save_invocation({**config, "options": {**config["options"], "state": uri}})
             if inv.command != "build":  # a build's progress is its stages', each guarded as a job of its own
@@ -284,16 +285,15 @@ class Job:
 
 
 def open_group(engine_name: str, command: str):
-    """The torch.distributed process group when this process is one rank of several, else None."""
+    """The engine's process group when this process is one rank of several, else None."""
     world = ranks.world_size()
     if world <= 1:
         return None
     if command != "tune":
         raise SpillpackError(f"{command} runs as one process, not {world} (only tune is data-parallel)",
                              f"spillpack {command} ... as one process, without torchrun")
-    if engine_name == "mlx":
-        raise SpillpackError(f"the mlx engine runs one process, not {world}",
+    opener = group_opener(engine_name)
+    if opener is None:
+        raise SpillpackError(f"the {engine_name} engine runs one process, not {world}",
                              "run it without torchrun or --nproc, or with --engine torch-cuda|torch-cpu")
-    from runtime.engines.torch.distributed import ProcessGroup
-
-    return ProcessGroup(engine_name)
+    return opener()

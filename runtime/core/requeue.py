@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 DEFAULT_MAX_STALLED = 3
 

@@ -3,7 +3,7 @@
 Input, one JSON object a line:
     {"custom_id": "a", "body": {"messages": [...], "max_tokens": 64, "temperature": 0, "top_p": 1, "seed": 1}}
     {"custom_id": "b", "prompt": "text"}          a plain prompt is one user message
-    eval rows add "expected": the answer the metric compares against (runtime/metrics.py)
+    eval rows add "expected": the answer the metric compares against (runtime/jobs/metrics.py)
 
 A line that is not a JSON object, or lacks a string custom_id, or repeats one, stops the job
 before any work with one line naming it: without a custom_id a result cannot be matched to its
@@ -15,8 +15,8 @@ import hashlib
 from dataclasses import dataclass, field
 
 from runtime.data.messages import normalize
-from runtime.data.train import iter_jsonl
-from runtime.errors import SpillpackError
+from runtime.data.jsonl import iter_jsonl
+from runtime.base.errors import SpillpackError
 
 # Body parameters we honour; "model" is the job's model whatever the row says, "n" and
 # "stream" only in the one value a batch line can mean.

@@ -1,96 +1,18 @@
-"""Reading JSONL data, and the training batch order.
+"""Training examples from JSONL (runtime/data/jsonl.py reads it), and the training batch order.
 
 The order is a pure function of (seed, epoch, step) over the tokenized examples, so a
 job resumed on another machine or engine sees exactly the batches it would have seen.
 """
 
 import math
-import stat
 from dataclasses import dataclass
 
 import numpy as np
-import orjson
 
 from runtime.data.messages import normalize
-from runtime.errors import SpillpackError
-from runtime.fileio import sha256_bytes
-from runtime.state.store import local_file, open_store
-
-# One JSONL line is one conversation or request: a longer line is not data of ours.
-MAX_LINE_BYTES = 16 << 20
-CHUNK_BYTES = 1 << 20  # data is read in pieces this size (at most MAX_LINE_BYTES: bounded_lines relies on it)
-
-
-def read_bytes(uri: str, what: str = "data", bundle=None, missing_ok: bool = False) -> bytes | None:
-    """The whole file behind a path, file:// or s3:// URI, read as it streams in and refused as
-    soon as a line passes MAX_LINE_BYTES (a weights file or a dump given as data stops there,
-    not at its end); a bundled file is checked against the bundle's manifest. `missing_ok`:
-    None for a file that does not exist (any other failure is still an error: a damaged file
-    is never taken for an absent one)."""
-    path = local_file(uri)
-    if path is None:
-        parent, _, name = uri.rstrip("/").rpartition("/")
-        data = open_store(parent).read_stream(name, lambda chunks: bounded_lines(chunks, uri, f"aws s3 cp {uri} - | head -c 300"))
-        if data is None and not missing_ok:
-            raise SpillpackError(f"{what} {uri} does not exist", f"aws s3 ls {parent}/")
-        return data
-    try:
-        # A FIFO would block forever and /dev/zero never ends: only a regular file is data.
-        if path.exists() and not path.is_dir() and not stat.S_ISREG(path.stat().st_mode):
-            raise SpillpackError(f"{what} {uri} is not a regular file (a pipe, device or socket cannot be read as data)",
-                                 f"copy it to a file first: cat {uri} > data.jsonl")
-        with path.open("rb") as f:
-            data = bounded_lines(iter(lambda: f.read(CHUNK_BYTES), b""), uri, f"head -c 300 {uri}")
-    except FileNotFoundError:
-        if missing_ok:
-            return None
-        raise SpillpackError(f"{what} file {uri} does not exist", f"ls {path.parent}")
-    except IsADirectoryError:
-        raise SpillpackError(f"{what} {uri} is a directory, not a JSONL file", f"ls {path}")
-    except OSError as e:
-        raise SpillpackError(f"cannot read {what} {uri}: {e.strerror}", f"ls -l {path}")
-    if bundle is not None:
-        bundle.check_read(path, data)  # a bundled file must be the one that was packed
-    return data
-
-
-def bounded_lines(chunks, uri: str, try_: str) -> bytes:
-    """The bytes of `chunks` joined, or one line naming the first line longer than MAX_LINE_BYTES,
-    raised once that much of it has arrived. Only a line that spans pieces can be too long (a
-    piece is at most CHUNK_BYTES), so each piece costs a find, a count and an rfind."""
-    buf = bytearray()
-    line_start, line_no = 0, 1  # where the line being read begins in buf, and its number
-    for chunk in chunks:
-        for i in range(0, len(chunk), CHUNK_BYTES):
-            piece = chunk[i:i + CHUNK_BYTES] if len(chunk) > CHUNK_BYTES else chunk
-            at = len(buf)
-            buf += piece
-            first = piece.find(b"\n")
-            if (len(buf) if first < 0 else at + first) - line_start > MAX_LINE_BYTES:
-                raise SpillpackError(f"{uri} line {line_no} is longer than the {MAX_LINE_BYTES >> 20} MiB a line may hold "
-                                     "(is it JSONL?)", try_)
-            if first >= 0:
-                line_no += piece.count(b"\n")
-                line_start = at + piece.rfind(b"\n") + 1
-    return bytes(buf)
-
-
-def iter_jsonl(raw: bytes, uri: str):
-    """(line number, object) for each non-blank line; a bad line is one error naming it. `raw`
-    comes from read_bytes, which bounds its lines."""
-    if not raw.strip():
-        raise SpillpackError(f"{uri} is empty", f"head {uri}")
-    for n, line in enumerate(raw.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = orjson.loads(line)
-        except orjson.JSONDecodeError as e:
-            raise SpillpackError(f"{uri} line {n} is not JSON ({str(e).split(':')[0]})", f"sed -n {n}p {uri}")
-        if not isinstance(obj, dict):
-            raise SpillpackError(f"{uri} line {n} is not a JSON object", f"sed -n {n}p {uri}")
-        yield n, obj
-
+from runtime.base.errors import SpillpackError
+from runtime.base.fileio import sha256_bytes
+from runtime.data.jsonl import iter_jsonl, read_bytes
 
 # -- training examples --------------------------------------------------------------
 

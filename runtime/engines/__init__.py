@@ -23,8 +23,8 @@
         pad_id
         grad_checkpoint                     settable: recompute each decoder layer in backward
     load_model(model_dir, adapter=None) -> the engine's model; model.make_decoder(slots, max_len)
-                                        gives the Decoder runtime.generation's Generator drives
-    generator(model_dir, tokenizer, adapter, slots, max_len) -> runtime.generation.Generator
+                                        gives the Decoder runtime.engines.generation's Generator drives
+    generator(model_dir, tokenizer, adapter, slots, max_len) -> runtime.engines.generation.Generator
     peak_mem_gb() -> float                  the most memory held on the device since the engine was made
 """
 
@@ -36,16 +36,3 @@ class OptimSpec:
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
-
-
-def get_engine(name: str, **kw):
-    """kw: the torch engine's device and base_dtype (tests and benchmarks run CUDA's arithmetic on a CPU)."""
-    if name in ("torch-cpu", "torch-cuda"):
-        from runtime.engines.torch.engine import TorchEngine
-
-        return TorchEngine(name, **kw)
-    if name == "mlx":
-        from runtime.engines.mlx.engine import MLXEngine
-
-        return MLXEngine()
-    raise ValueError(name)

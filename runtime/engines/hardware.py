@@ -11,10 +11,10 @@ import platform
 import shutil
 from dataclasses import dataclass
 
-from runtime.core.allotment import memory_limit
+from runtime.base.allotment import memory_limit
 from runtime.engines.nvidia import CudaFacts, diagnose, machine_facts
-from runtime.errors import SpillpackError
-from runtime.paths import spillpack_home
+from runtime.base.errors import SpillpackError
+from runtime.base.paths import spillpack_home
 
 ENGINE_NAMES = ("mlx", "torch-cuda", "torch-cpu")
 
@@ -146,7 +146,7 @@ def remember_rate(name: str, rate: dict) -> None:
     """Keep a measured rate under SPILLPACK_HOME for later jobs' estimates (doctor's, or a job's own)."""
     import orjson
 
-    from runtime.fileio import atomic_write
+    from runtime.base.fileio import atomic_write
 
     path = spillpack_home() / RATES_FILE
     try:

@@ -23,14 +23,15 @@ from runtime.config.commands import BUILD_STAGES as STAGES
 from runtime.config.commands import COMMANDS, stop_point
 from runtime.config.invocation import resolve
 from runtime.core.job import Job, Outcome
-from runtime.data.train import read_bytes
-from runtime.errors import EXIT_OK, SpillpackError
-from runtime.fileio import sha256_bytes
+from runtime.data.jsonl import read_bytes
+from runtime.base.errors import EXIT_OK, SpillpackError
+from runtime.base.fileio import sha256_bytes
 from runtime.jobs import estimate, shards
 from runtime.jobs.rowjob import RESULTS
 from runtime.models.ref import resolve_model
 from runtime.state.jobstate import JobState, StateConflict
-from runtime.state.store import local_file, open_store
+from runtime.state.store import local_file
+from runtime.state.uri import open_store
 
 STAGE_MARKER = "stage"
 TUNE_DATA = "data/tune.jsonl"
@@ -160,7 +161,7 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
         if sharded and stage in SPLIT and outcome.code == EXIT_OK and outcome.complete and not outcome.summary.get("merged"):
             # This shard is done, others are not: wait for the merge, then read the stage's summary from it.
             stage_state = JobState(open_store(given["state"]), {})
-            stopped = _wait(job, events, lambda: stage_state.merge_record() is not None, f"the other shards of {stage}",
+            stopped = _wait(job, events, lambda: stage_state.shards.merge_record() is not None, f"the other shards of {stage}",
                             len(scores))
             if stopped is not None:
                 return stopped
@@ -228,10 +229,9 @@ def _estimate(files: dict, stages: list[str], scores: dict, o: dict) -> float:
 
 
 def _train_seconds(config: dict, tokens: int) -> float:
-    """`tokens` trained tokens: ~4 x params FLOPs a token (the frozen base needs no weight
-    gradients) at the row jobs' conservative CPU rate: the build has not measured its engine
-    yet when it starts; its tune stage's own start event has the measured guess."""
-    return round(4 * estimate.params(config) * tokens / estimate.cpu_flops(), 1)
+    """`tokens` trained tokens at the row jobs' conservative CPU rate: the build has not measured
+    its engine yet when it starts; its tune stage's own start event has the measured guess."""
+    return estimate.training_seconds(config, tokens, estimate.cpu_flops())
 
 
 def _tune_data(files: dict, store) -> bytes:

@@ -1,9 +1,10 @@
 """First guesses of a row job's length for the `start` event's estimated_seconds, from the
 model's shape alone: rough by design (a conservative 20 GFLOP/s a core and 10 GB/s of memory on
-CPU); the row events' eta_s replace them with measurements. A tune's guess is tune.engine_estimate
-(the engine's measured rate), on the same parameter count."""
+CPU); the row and step events' eta_s replace them with measurements. Training's one formula is
+training_seconds: a tune gives it the engine's measured rate, a build (before it has measured
+anything) the conservative CPU rate."""
 
-from runtime.core.allotment import cpus
+from runtime.base.allotment import cpus
 
 FLOPS_PER_CORE = 20e9
 MEMORY_BPS = 10e9
@@ -25,3 +26,9 @@ def generation_seconds(config: dict, prompt_tokens: int, new_tokens: int, batch:
     flops = 2 * p * (prompt_tokens + new_tokens) / cpu_flops()
     reads = (new_tokens / max(1, batch)) * 4 * p / MEMORY_BPS
     return round(flops + reads, 1)
+
+
+def training_seconds(config: dict, tokens: int, flops_per_s: float) -> float:
+    """`tokens` trained tokens: ~4 x params FLOPs a token (the forward, and the backward through
+    activations only: the frozen base needs no weight gradients) at `flops_per_s`."""
+    return round(4 * params(config) * tokens / flops_per_s, 1)

@@ -1,5 +1,5 @@
 """`spillpack eval`: generate an answer for each row and score it against the row's "expected"
-with --metric (runtime/metrics.py); accuracy with a 95% Wilson interval.
+with --metric (runtime/jobs/metrics.py); accuracy with a 95% Wilson interval.
 
 The output file has one line per row: {custom_id, answer, expected, correct, finish_reason, error};
 eval.json under the state holds the summary. A row that failed (too long, bad parameter) counts
@@ -8,7 +8,7 @@ as wrong and is counted in failed_rows."""
 import orjson
 
 from runtime.jobs import rowjob
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.jobs.metrics import check, score, wilson
 from runtime.core.job import Outcome
 from runtime.jobs.rowjob import Output, RowTask

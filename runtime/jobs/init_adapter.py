@@ -22,11 +22,11 @@ import numpy as np
 import orjson
 from safetensors.numpy import load as st_load
 
-from runtime.errors import SpillpackError
-from runtime.fileio import sha256_bytes
+from runtime.base.errors import SpillpackError
+from runtime.base.fileio import sha256_bytes
 from runtime.models.lora import (BASE_RECORD, MLX_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS, LoraSpec, base_record, load_adapter,
                                  target_linears)
-from runtime.state.store import open_store
+from runtime.state.uri import open_store
 
 # The base's facts an adapter may record, compared in this order.
 BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -167,7 +167,7 @@ def _from_mlx(src: str, store, cfg: dict, model_dir) -> InitAdapter:
 
 def _from_state(src: str, store, model_dir) -> InitAdapter:
     """A spillpack state: its finished adapter (PEFT layout under adapter/), else its newest checkpoint."""
-    from runtime.jobs.tune import CHECKPOINT_META, CHECKPOINT_TENSORS, restored_losses
+    from runtime.jobs import tune_checkpoint
     from runtime.state.jobstate import JobState
 
     state = JobState(store, {})
@@ -181,15 +181,12 @@ def _from_state(src: str, store, model_dir) -> InitAdapter:
     record = store.read("adapter/" + BASE_RECORD)  # a finished tune's adapter records its base
     if record is not None:
         check_base(src, _json(store, "adapter/" + BASE_RECORD, src), base_record(model_dir))
-    latest = state.latest_checkpoint()
+    latest = state.checkpoints.latest()
     if latest is None:
         raise SpillpackError(f"--init-adapter {src} is a tune state with no committed checkpoint yet", f"spillpack status {src}")
-    tensors_all = st_load(state.read_file(latest, CHECKPOINT_TENSORS))
-    tensors = {k[len("adapter."):]: v for k, v in tensors_all.items() if k.startswith("adapter.")}
+    resume = {"identity": theirs, **tune_checkpoint.read(state, latest)}
+    tensors = {k[len("adapter."):]: v for k, v in resume["tensors"].items() if k.startswith("adapter.")}
     spec = LoraSpec(int(theirs["rank"]), float(theirs["alpha"]), _targets_of(tensors))
-    meta = orjson.loads(state.read_file(latest, CHECKPOINT_META))
-    resume = {"identity": theirs, "step": latest.step, "losses": restored_losses(state, latest), "tensors": tensors_all,
-              "val": meta.get("val"), "uri": state.commit_uri(latest)}
     return InitAdapter(tensors, spec, _digest(tensors, spec), "state", resume, targets=theirs.get("targets"))
 
 

@@ -3,7 +3,8 @@ this so a bundle never carries a job its runtime would refuse. The checks are th
 parsers (the same lines, the same messages), without a model or tokenizer."""
 
 from runtime.data.rows import parse_rows
-from runtime.data.train import read_bytes, train_conversations
+from runtime.data.jsonl import read_bytes
+from runtime.data.train import train_conversations
 from runtime.state.store import local_file
 
 ROW_INPUTS = {"run": "input", "eval": "evals", "distill": "prompts"}

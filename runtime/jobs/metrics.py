@@ -10,9 +10,7 @@ import json
 import math
 import re
 
-from runtime.errors import SpillpackError
-
-METRICS = ("exact_match", "contains", "regex", "json_field")
+from runtime.base.errors import SpillpackError
 
 
 def _norm(text: str) -> str:

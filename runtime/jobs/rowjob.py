@@ -21,16 +21,16 @@ import orjson
 
 from runtime.models.lora import load_adapter
 from runtime.config.invocation import Invocation
-from runtime.data.train import read_bytes
-from runtime.errors import SpillpackError, UsageError
+from runtime.data.jsonl import read_bytes
+from runtime.base.errors import SpillpackError, UsageError
 from runtime.core.job import Job, Outcome, read_state
-from runtime.core.signals import Abandon
-from runtime.fileio import sha256_bytes
-from runtime.generation import Request
+from runtime.base.signals import Abandon
+from runtime.base.fileio import sha256_bytes
+from runtime.engines.generation import Request
 from runtime.jobs import estimate, shards
 from runtime.models.ref import local_path, resolve_model
 from runtime.data.rows import Row, encode_rows, error_line, ok_line, parse_rows
-from runtime.state.store import check_output, open_store
+from runtime.state.uri import check_output, uri_exists, write_uri
 from runtime.models.tokenizer import Tokenizer
 
 RESULTS = shards.RESULTS  # the final output, under the state
@@ -67,17 +67,6 @@ def adapter_for(uri: str | None):
     return (tensors, spec), h.hexdigest()
 
 
-def write_uri(uri: str, data: bytes) -> None:
-    """A whole file at a path, file:// or s3:// URI, written atomically."""
-    parent, _, name = str(uri).rstrip("/").rpartition("/")
-    open_store(parent or ".").write(name, data)
-
-
-def uri_exists(uri: str) -> bool:
-    parent, _, name = str(uri).rstrip("/").rpartition("/")
-    return open_store(parent or ".").size(name) is not None
-
-
 def check_out_free(o: dict) -> None:
     """An --out that exists is refused (exit 2) before the state is touched, so the refused
     command leaves nothing behind; unless this state's own run wrote it: a finished job
@@ -86,7 +75,7 @@ def check_out_free(o: dict) -> None:
     if not uri_exists(out):
         return
     state = read_state(o)
-    if state.markers(OUTPUT_MARKER) or state.merge_claim() is not None:
+    if state.markers(OUTPUT_MARKER) or state.shards.merge_claim() is not None:
         return
     raise UsageError(f"{out} already exists and would be overwritten", f"another --out, or remove {out}")
 
@@ -197,7 +186,7 @@ def _run_shard(job: Job, inv, events, task, rows, split: "shards.Plan", model) -
     """One shard's rows, then the merge if this process finds every shard done (runtime/jobs/shards.py)."""
     o = inv.options
     root = job.root or job.state
-    merger = shards.Merger(root, split, task, rows, o.get("out"), events, write_uri, uri_exists)
+    merger = shards.Merger(root, split, task, rows, o.get("out"), events)
     results_uri = root.store.child_uri(RESULTS)
     n = split.count
 
@@ -206,7 +195,7 @@ def _run_shard(job: Job, inv, events, task, rows, split: "shards.Plan", model) -
         return job.done(step, True, out=o.get("out") or results_uri, rows=len(rows), shards=n, merged=True,
                         **fields, **record.get("summary", {}))
 
-    record = root.merge_record()
+    record = root.shards.merge_record()
     if split.index is None:  # no shard to do: only complete the merge
         merged = merger.attempt(complete=True)
         if merged.missing:
@@ -224,7 +213,7 @@ def _run_shard(job: Job, inv, events, task, rows, split: "shards.Plan", model) -
 
     lo, hi = split.range(len(rows))
     mine = rows[lo:hi]
-    rerun = job.state.shard_done() is not None  # nothing of its own to do: it may complete a merge cut short
+    rerun = job.state.shards.done() is not None  # nothing of its own to do: it may complete a merge cut short
     work, stopped = _generate(job, inv, events, task, mine, model, f" (shard {split.index} of {n}: rows {lo}-{hi - 1})")
     if stopped is not None:
         return stopped
@@ -233,8 +222,8 @@ def _run_shard(job: Job, inv, events, task, rows, split: "shards.Plan", model) -
     if len(lines) < len(mine):
         return job.done(len(lines), False, out=None, rows=len(lines), merged=False, **common,
                         failed_rows=sum(1 for x in lines.values() if x.get("error")))
-    if job.state.shard_done() is None:
-        job.state.mark_shard_done(len(mine))
+    if job.state.shards.done() is None:
+        job.state.shards.mark_done(len(mine))
     merged = merger.attempt(complete=rerun)
     if merged.record is None:
         # Others are still working (or one is merging right now): this shard's part is done.
@@ -255,7 +244,7 @@ class RowsWork:
         self.job, self.task, self.rows, self.model_ref, self.job_key, self.o = job, task, rows, model_ref, job_key, o
         self.lines: dict[str, dict] = {}  # custom_id -> output line, committed or not
         state = job.state
-        for seg in state.segments():
+        for seg in state.rows.all():
             for raw_line in state.read_file(seg, "rows").splitlines():
                 rec = orjson.loads(raw_line)
                 self.lines.setdefault(rec["custom_id"], rec)
@@ -321,6 +310,6 @@ class RowsWork:
         if not self.uncommitted:
             return
         blob = b"".join(orjson.dumps(x) + b"\n" for x in self.uncommitted)
-        c, seconds = self.job.state.commit_segment(blob, len(self.uncommitted))
+        c, seconds = self.job.state.rows.commit(blob, len(self.uncommitted))
         self.uncommitted.clear()
         self.job.checkpointed(len(self.lines), self.job.state.file_uri(c, "rows"), seconds)

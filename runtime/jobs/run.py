@@ -1,5 +1,5 @@
 """`spillpack run`: batch inference over OpenAI batch JSONL; the output is OpenAI batch output JSONL,
-one line per input row in input order (runtime/rows.py has both shapes)."""
+one line per input row in input order (runtime/data/rows.py has both shapes)."""
 
 import orjson
 

@@ -33,9 +33,10 @@ from pathlib import Path
 
 import orjson
 
-from runtime.errors import SpillpackError
-from runtime.fileio import sha256_bytes
+from runtime.base.errors import SpillpackError
+from runtime.base.fileio import sha256_bytes
 from runtime.state.jobstate import JobState
+from runtime.state.uri import uri_exists, write_uri
 
 RESULTS = "results.jsonl"  # the output under the state, as an unsharded row job writes it
 # The scheduler variables that carry a worker's index, in the order they are believed.
@@ -96,22 +97,21 @@ class Merged:
 class Merger:
     """The exactly-once merge of a sharded row job's output (see the module's docstring)."""
 
-    def __init__(self, root: JobState, p: Plan, task, rows, out: str | None, events, write_uri, uri_exists):
+    def __init__(self, root: JobState, p: Plan, task, rows, out: str | None, events):
         self.root, self.plan, self.task, self.rows, self.out, self.events = root, p, task, rows, out, events
-        self.write_uri, self.uri_exists = write_uri, uri_exists
 
     def shards(self) -> list[JobState]:
-        return [self.root.shard(i) for i in range(self.plan.count)]
+        return [self.root.shards.shard(i) for i in range(self.plan.count)]
 
     def missing(self) -> list[int]:
-        return [i for i, s in enumerate(self.shards()) if s.shard_done() is None]
+        return [i for i, s in enumerate(self.shards()) if s.shards.done() is None]
 
     def attempt(self, complete: bool) -> Merged:
         """`complete`: this process may complete a merge another one claimed and did not record
         (it started with nothing of its own to do: a rerun of a finished shard, or a process
         without a shard); a worker that has just finished its shard leaves a claim to its owner."""
         _barrier("enter")
-        record = self.root.merge_record()
+        record = self.root.shards.merge_record()
         if record is not None:
             return Merged(record)
         missing = self.missing()
@@ -121,22 +121,22 @@ class Merger:
         # A claim with no record: its merger is finishing right now, or was killed. Completing
         # it writes the same bytes, so either way the result is one merge; but only a process
         # with nothing else to do completes it, not one that merely finished at the same moment.
-        cut_short = self.root.merge_claim() is not None
+        cut_short = self.root.shards.merge_claim() is not None
         if cut_short and not complete:
-            return Merged(self.root.merge_record())
+            return Merged(self.root.shards.merge_record())
         if not cut_short:
             _barrier("claim")
-        if not cut_short and not self.root.claim_merge(self.plan.index):
-            return Merged(self.root.merge_record())  # another worker finished at the same moment: it merges
+        if not cut_short and not self.root.shards.claim_merge(self.plan.index):
+            return Merged(self.root.shards.merge_record())  # another worker finished at the same moment: it merges
         output = self.task.finish(self.rows, self._lines())
-        self.root.write_output(RESULTS, output.data)
+        self.root.shards.write_output(RESULTS, output.data)
         for name, data in output.extra.items():
-            self.root.write_output(name, data)
+            self.root.shards.write_output(name, data)
         self.deliver(output.data)
         seconds = time.perf_counter() - t0
         meta = {"rows": len(self.rows), "shards": self.plan.count, "shard": self.plan.index, "summary": output.summary,
                 "sha256": sha256_bytes(output.data), "seconds": round(seconds, 3), "completed_cut_short": cut_short}
-        mine = self.root.record_merge(meta)
+        mine = self.root.shards.record_merge(meta)
         if mine:
             self.root.log("merged", shard=self.plan.index, rows=len(self.rows), seconds=round(seconds, 3),
                           uri=self.root.store.child_uri(RESULTS), completed_cut_short=cut_short)
@@ -144,15 +144,15 @@ class Merger:
                              uri=self.root.store.child_uri(RESULTS), out=self.out, seconds=round(seconds, 3))
             if output.message:
                 self.events.say(output.message)
-        return Merged(self.root.merge_record(), by_me=mine, seconds=seconds)
+        return Merged(self.root.shards.merge_record(), by_me=mine, seconds=seconds)
 
     def deliver(self, data: bytes | None = None) -> None:
         """--out: written when absent; the same bytes there already are fine (a completed merge)."""
         if not self.out:
             return
-        data = self.root.output(RESULTS) if data is None else data
-        if not self.uri_exists(self.out):
-            self.write_uri(self.out, data)
+        data = self.root.shards.output(RESULTS) if data is None else data
+        if not uri_exists(self.out):
+            write_uri(self.out, data)
 
     def _lines(self) -> list[dict]:
         """Every row's output line, in input order, read from the shards' committed segments."""
@@ -161,7 +161,7 @@ class Merger:
         for i, state in enumerate(self.shards()):
             lo, hi = self.plan.range(total, i)
             known = {r.custom_id for r in self.rows[lo:hi]}
-            for seg in state.segments():
+            for seg in state.rows.all():
                 for raw in state.read_file(seg, "rows").splitlines():
                     rec = orjson.loads(raw)
                     if rec["custom_id"] in known:

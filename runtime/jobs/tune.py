@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 from safetensors.numpy import save_file as st_save_file
 
@@ -27,20 +26,21 @@ from runtime.jobs import init_adapter
 from runtime.data.train import BatchOrder, collate, load_train_data, rank_rows
 from runtime.data.validation import load_split
 from runtime.jobs.tune_val import Validation
-from runtime.engines import OptimSpec, get_engine
+from runtime.engines import OptimSpec
+from runtime.engines.registry import get_engine
 from runtime.core.job import Job, Outcome, state_uri
 from runtime.engines.hardware import engine_rate
 from runtime.models.ref import resolve_model
-from runtime.core.signals import Abandon
+from runtime.base.signals import Abandon
 from runtime.engines.hardware import choose_engine
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.jobs import estimate
 from runtime.jobs.sizing import plan_tune
-from runtime.state.store import check_output, open_store
+from runtime.state.uri import check_output, open_store
 from runtime.models.tokenizer import Tokenizer
 
-CHECKPOINT_TENSORS = "state.safetensors"
-CHECKPOINT_META = "meta.json"
+from runtime.jobs import tune_checkpoint
+from runtime.jobs.tune_checkpoint import CHECKPOINT_META, CHECKPOINT_TENSORS  # noqa: F401 (the checkpoint's file names)
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int, schedule: str) -> float:
@@ -127,7 +127,7 @@ def main(inv, events) -> Outcome:
         if job.writer:
             job.state.log("plan", **plan.to_dict())
         job.open_engine(engine)
-        latest = job.state.latest_checkpoint() if job.writer else None
+        latest = job.state.checkpoints.latest() if job.writer else None
         restored, abandoned = None, False
         resume = init_adapter.resume_of(init, identity) if init is not None and latest is None and job.writer else None
         try:
@@ -136,9 +136,7 @@ def main(inv, events) -> Outcome:
                 session.grad_checkpoint = plan.grad_checkpoint
                 session.pad_id = tokenizer.pad_token_id or 0
                 if latest is not None:
-                    restored = {"step": latest.step, "losses": restored_losses(job.state, latest), "uri": job.state.commit_uri(latest),
-                                "tensors": st_load(job.state.read_file(latest, CHECKPOINT_TENSORS)),
-                                "val": orjson.loads(job.state.read_file(latest, CHECKPOINT_META)).get("val")}
+                    restored = tune_checkpoint.read(job.state, latest)
         except Abandon:
             abandoned = True
         if job.agree(abandoned):
@@ -301,18 +299,9 @@ class TuneWork:
         blob = st_save(tensors)
         meta = orjson.dumps(meta)
         log = b"".join(orjson.dumps({"step": i + 1, "loss": self.losses[i]}) + b"\n" for i in range(self.committed, self.done))
-        c, seconds = self.job.state.commit_checkpoint(self.done, {CHECKPOINT_TENSORS: blob, CHECKPOINT_META: meta}, log=log)
+        c, seconds = self.job.state.checkpoints.commit(self.done, {CHECKPOINT_TENSORS: blob, CHECKPOINT_META: meta}, log=log)
         self.committed, self._val_dirty = self.done, False
         self.job.checkpointed(self.done, self.job.state.commit_uri(c), seconds)
-
-
-def restored_losses(state, latest) -> list[float]:
-    """The losses of steps 1..latest.step, from the state's log (or, in a state written before
-    the log, from the checkpoint's meta.json)."""
-    if not latest.log:
-        return orjson.loads(state.read_file(latest, CHECKPOINT_META)).get("losses", [])
-    records = [orjson.loads(line) for line in state.read_log(latest).splitlines() if line.strip()]
-    return [r["loss"] for r in records if r["step"] <= latest.step]
 
 
 def write_outputs(job, session, spec, model_dir, model_ref, losses, o, val=None) -> str:
@@ -361,11 +350,10 @@ STEP_EFFICIENCY = 0.5
 
 
 def engine_estimate(config: dict, tokens: int, gflops: float) -> float:
-    """Seconds for `tokens` trained tokens: ~4 x params FLOPs a token (forward, and the backward
-    through activations only: the base is frozen) at half the engine's measured matmul rate in
+    """Seconds for `tokens` trained tokens at half the engine's measured matmul rate in
     its own dtype (runtime.engines.hardware.engine_rate). A first guess; the step events'
     eta_s replaces it with the job's own step times."""
-    return round(4 * estimate.params(config) * tokens / (STEP_EFFICIENCY * gflops * 1e9), 1)
+    return estimate.training_seconds(config, tokens, STEP_EFFICIENCY * gflops * 1e9)
 
 
 def _fmt(seconds: float) -> str:

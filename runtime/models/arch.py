@@ -1,18 +1,18 @@
 """The one table of supported architectures: config.json's model_type -> its arguments, its
 checkpoint quirks, and the module holding its model in each framework.
 
-The framework modules are named, not imported: reading the table (to validate a directory,
+The framework modules are named, not imported (each engine's models/ package imports its own
+file by that name): reading the table (to validate a directory,
 to refuse an unknown model_type, to list what is supported) never imports torch or mlx, and an
 engine imports only its own model code.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.models.args import ModelArgs
 from runtime.models.families import Gemma3Args, MistralArgs, Phi3Args, Qwen2Args, Qwen3Args, Qwen3MoeArgs
 
@@ -68,11 +68,6 @@ class Architecture:
         return {**self.text_config, **nested, "model_type": config["model_type"],
                 "tie_word_embeddings": config.get("tie_word_embeddings", nested.get("tie_word_embeddings", True)),
                 **{k: config[k] for k in ("eos_token_id", "bos_token_id", "pad_token_id") if k in config}}
-
-    def model_module(self, framework: str):
-        """runtime.engines.<framework>.models.<module>, imported now (it imports its framework)."""
-        assert framework in self.frameworks, (self.model_type, framework)
-        return importlib.import_module(f"runtime.engines.{framework}.models.{self.module}")
 
 
 # Qwen2 (q/k/v biases) and Mistral (a sliding window) are the Llama decoder with other

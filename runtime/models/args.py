@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.models.args import ModelArgs
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.models.arch import architecture
 
 PEFT_PREFIX = "base_model.model."

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.models.arch import architecture
 
 GB = 2**30

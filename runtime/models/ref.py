@@ -7,8 +7,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.errors import SpillpackError
-from runtime.paths import spillpack_home
+from runtime.base.errors import SpillpackError
+from runtime.base.paths import spillpack_home
 from runtime.models.arch import architecture
 from runtime.models.weights import read_safetensors_header, weight_files
 from runtime.state.store import local_file
@@ -77,7 +77,7 @@ def local_path(uri: str, kind: str = "weights") -> Path:
     """A local path for a URI: a path or file:// as it is, an s3:// prefix staged locally.
 
     s3:// prefixes are staged into the local cache (downloaded once per ETag and size; see
-    runtime/staging.py), `kind` naming the cache ("weights", "adapters"); everything else is
+    runtime/state/staging.py), `kind` naming the cache ("weights", "adapters"); everything else is
     parsed by the store's `local_file`.
     """
     path = local_file(uri)

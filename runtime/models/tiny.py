@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.fileio import file_lock
-from runtime.paths import spillpack_home
+from runtime.base.fileio import file_lock
+from runtime.base.paths import spillpack_home
 
 # Bump when anything below changes the bytes, so an old cached tiny is rebuilt, not reused.
 # 3: weights drawn with numpy (PCG64, exact arithmetic) instead of torch, so tiny builds

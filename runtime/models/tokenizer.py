@@ -12,7 +12,7 @@ from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 # Variables every template sees unless a caller overrides them (transformers passes a call's
 # kwargs the same way): thinking off, for training data and for `run` rows that do not ask.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -1,4 +1,8 @@
-"""A job's state under its --state URI: identity, commits, checkpoints, row segments, history.
+"""A job's state under its --state URI: the one owner of its layout (identity, commit records,
+markers, invocation, progress hints, history). The protocols over it each have a module:
+checkpoints (runtime/state/checkpoints.py), row segments (segments.py), a sharded row job's
+shards and merge (shardstate.py); JobState holds one of each (state.checkpoints, state.rows,
+state.shards).
 
 Layout:
     job.json                          what job this state belongs to (refused if another job opens it)
@@ -36,29 +40,17 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import orjson
 
-from runtime.errors import SpillpackError
-from runtime.fileio import sha256_bytes
-from runtime.state.store import Store, open_store
+from runtime.base.errors import SpillpackError
+from runtime.base.fileio import sha256_bytes
+from runtime.state.checkpoints import Checkpoints
+from runtime.state.records import Commit, record_key
+from runtime.state.segments import Segments
+from runtime.state.shardstate import Shards
+from runtime.state.store import Store
 
-KEEP_CHECKPOINTS = 2
-SHARD_DONE = "shard-done"  # marker kind: every row of this shard is committed
-MERGED = "merged.json"
-MERGE_CLAIM = "merge-claim.json"
-
-
-@dataclass
-class Commit:
-    seq: int
-    kind: str  # "checkpoint" | "segment" | "stage"
-    step: int  # steps done (checkpoint) or rows in the segment
-    files: dict  # name -> {"key", "size", "sha256"}
-    meta: dict
-    identity: dict | None = None  # the job's identity (None in records written before it travelled with them)
-    log: list = field(default_factory=list)  # the log's chunks from the start, as files: {"key", "size", "sha256"}
 
 
 class StateConflict(SpillpackError):
@@ -76,6 +68,9 @@ class JobState:
         self._history_n = 0
         self._next_seq = 0
         self._log: list = []  # the log chunks of the checkpoint this process continues from
+        self.checkpoints = Checkpoints(self)
+        self.rows = Segments(self)
+        self.shards = Shards(self)
 
     @property
     def uri(self) -> str:
@@ -89,7 +84,7 @@ class JobState:
         shard's history, not in the job's). `about`: more of this process for the history (its
         device and scheduler, a data-parallel group's world and hosts)."""
         self.store.check_writable()
-        commits = self._commits()
+        commits = self.commits()
         for c in commits:
             if c.identity is not None:
                 self._check_identity(c.identity)
@@ -164,7 +159,7 @@ class JobState:
 
     # -- commits ---------------------------------------------------------------------
 
-    def _commits(self) -> list[Commit]:
+    def commits(self) -> list[Commit]:
         out = []
         for key in self.store.list("commits/"):
             raw = self.store.read(key)
@@ -181,14 +176,14 @@ class JobState:
         seqs = [int(n) for key in self.store.list("commits/") if (n := key.rsplit("/", 1)[-1].split(".")[0]).isdigit()]
         return max(seqs, default=0)
 
-    def _complete(self, c: Commit) -> bool:
+    def complete(self, c: Commit) -> bool:
         return all(self.store.size(f["key"]) == f["size"] for f in [*c.files.values(), *c.log])
 
     def _write(self, key: str, data: bytes) -> dict:
         self.store.write(key, data)
         return {"key": key, "size": len(data), "sha256": sha256_bytes(data)}
 
-    def _commit(self, kind: str, step: int, files: dict[str, bytes], prefix: str, meta: dict, log: bytes = b"") -> Commit:
+    def commit(self, kind: str, step: int, files: dict[str, bytes], prefix: str, meta: dict, log: bytes = b"") -> Commit:
         seq = self._next_seq  # taken at open: a record another process made since is a conflict, never skipped
         described = {}
         for name, data in files.items():
@@ -197,7 +192,7 @@ class JobState:
         chunks = self._log + ([self._write(f"log/{seq:08d}-{self.writer}.jsonl", log)] if log else []) if kind == "checkpoint" else []
         record = {"seq": seq, "kind": kind, "step": step, "files": described, "meta": meta, "identity": self.identity, "log": chunks,
                   "time": round(time.time(), 3), "host": self.host, "pid": os.getpid(), "engine": self.engine, "writer": self.writer}
-        if not self.store.create(_record_key(seq), orjson.dumps(record)):
+        if not self.store.create(record_key(seq), orjson.dumps(record)):
             raise StateConflict(
                 f"another process committed to {self.uri} at the same time (commit {seq}); this one stops so the two do not mix",
                 "make sure one copy of the job runs, then run it again to continue from the newest commit",
@@ -208,7 +203,7 @@ class JobState:
         return Commit(seq, kind, step, described, meta, self.identity, chunks)
 
     def commit_uri(self, commit: Commit) -> str:
-        return self.store.child_uri(_record_key(commit.seq))
+        return self.store.child_uri(record_key(commit.seq))
 
     def file_uri(self, commit: Commit, name: str) -> str:
         return self.store.child_uri(commit.files[name]["key"])
@@ -226,107 +221,21 @@ class JobState:
         data = self.store.read(f["key"])
         if data is None or len(data) != f["size"] or sha256_bytes(data) != f["sha256"]:
             raise SpillpackError(f"state file {self.store.child_uri(f['key'])} is damaged (its bytes do not match commit {commit.seq})",
-                                 f"delete {self.store.child_uri(_record_key(commit.seq))} to fall back to the previous commit")
+                                 f"delete {self.store.child_uri(record_key(commit.seq))} to fall back to the previous commit")
         return data
-
-    # -- checkpoints -------------------------------------------------------------------
-
-    def latest_checkpoint(self) -> Commit | None:
-        for c in reversed(self._commits()):
-            if c.kind == "checkpoint" and self._complete(c):
-                return c
-        return None
-
-    def commit_checkpoint(self, step: int, files: dict[str, bytes], meta: dict | None = None, log: bytes = b"") -> tuple[Commit, float]:
-        """`log`: what this checkpoint adds to the log since the one before it."""
-        t0 = time.perf_counter()
-        commit = self._commit("checkpoint", step, files, "checkpoints/", meta or {}, log)
-        seconds = time.perf_counter() - t0
-        self.log("checkpoint", step=step, seq=commit.seq, uri=self.store.child_uri(_record_key(commit.seq)), seconds=round(seconds, 3))
-        self._prune()
-        return commit, seconds
-
-    def _prune(self) -> None:
-        commits = self._commits()
-        checkpoints = [c for c in commits if c.kind == "checkpoint"]
-        for old in checkpoints[:-KEEP_CHECKPOINTS]:
-            # The record goes first: a record never points at files that are already gone.
-            self.store.delete(_record_key(old.seq))
-            for f in old.files.values():
-                self.store.delete(f["key"])
-        kept = checkpoints[-KEEP_CHECKPOINTS:]
-        if not kept:
-            return
-        # Files of checkpoints older than the oldest kept one that no record references: a
-        # process that died (or lost a race) before its commit record. A writer still in
-        # flight at such a number cannot commit it any more, so nothing live is removed.
-        referenced = {f["key"] for c in commits for f in [*c.files.values(), *c.log]}
-        oldest = kept[0].seq
-        for prefix in ("checkpoints/", "log/"):
-            for key in self.store.list(prefix):
-                seq = key[len(prefix):].split("-", 1)[0]
-                if seq.isdigit() and int(seq) < oldest and key not in referenced:
-                    self.store.delete(key)
-
-    # -- row segments -------------------------------------------------------------------
-
-    def segments(self) -> list[Commit]:
-        return [c for c in self._commits() if c.kind == "segment" and self._complete(c)]
-
-    def commit_segment(self, rows_jsonl: bytes, count: int, meta: dict | None = None) -> tuple[Commit, float]:
-        t0 = time.perf_counter()
-        commit = self._commit("segment", count, {"rows": rows_jsonl}, "segments/", meta or {})
-        seconds = time.perf_counter() - t0
-        self.log("checkpoint", rows=count, seq=commit.seq, uri=self.store.child_uri(commit.files["rows"]["key"]), seconds=round(seconds, 3))
-        return commit, seconds
 
     # -- small named records (a build's finished stages, final outputs) ---------------------
 
     def commit_marker(self, kind: str, meta: dict) -> Commit:
-        return self._commit(kind, 0, {}, "markers/", meta)
+        return self.commit(kind, 0, {}, "markers/", meta)
 
     def markers(self, kind: str) -> list[Commit]:
-        return [c for c in self._commits() if c.kind == kind]
+        return [c for c in self.commits() if c.kind == kind]
 
-    # -- shards and their merge ---------------------------------------------------------------
-
-    def shard(self, index: int, identity: dict | None = None) -> "JobState":
-        """Shard `index`'s own state, under this one (`identity` None: to read it, not to open it)."""
-        return JobState(open_store(self.store.child_uri(f"shards/{index}")), identity or {}, engine=self.engine)
-
-    def shard_done(self) -> Commit | None:
-        done = self.markers(SHARD_DONE)
-        return done[-1] if done else None
-
-    def mark_shard_done(self, rows: int) -> None:
-        self.commit_marker(SHARD_DONE, {"rows": rows})
-        self.log("shard-done", rows=rows)
-
-    def claim_merge(self, shard: int | None) -> bool:
-        """Created exclusively (and naming this process, so no two claims are the same bytes):
-        True for the one process that merges."""
-        return self.store.create(MERGE_CLAIM, orjson.dumps(self._stamp({"shard": shard})))
-
-    def merge_claim(self) -> dict | None:
-        return self._json(MERGE_CLAIM)
-
-    def write_output(self, name: str, data: bytes) -> None:
-        self.store.write(name, data)
-
-    def output(self, name: str) -> bytes | None:
-        return self.store.read(name)
-
-    def merge_record(self) -> dict | None:
-        return self._json(MERGED)
-
-    def record_merge(self, meta: dict) -> bool:
-        """Written last, created exclusively: True for the one process whose record it is."""
-        return self.store.create(MERGED, orjson.dumps(self._stamp(meta), option=orjson.OPT_INDENT_2))
-
-    def _stamp(self, meta: dict) -> dict:
+    def stamp(self, meta: dict) -> dict:
         return {**meta, "time": round(time.time(), 3), "host": self.host, "pid": os.getpid(), "writer": self.writer}
 
-    def _json(self, key: str) -> dict | None:
+    def read_json(self, key: str) -> dict | None:
         raw = self.store.read(key)
         try:
             return orjson.loads(raw) if raw else None
@@ -382,10 +291,6 @@ class JobState:
             except (orjson.JSONDecodeError, TypeError):
                 continue
         return sorted(out, key=lambda r: r["time"])
-
-
-def _record_key(seq: int) -> str:
-    return f"commits/{seq:08d}.json"
 
 
 def _short(value) -> str:

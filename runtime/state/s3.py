@@ -48,8 +48,8 @@ from botocore.exceptions import (
 from s3transfer.exceptions import RetriesExceededError
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from runtime.errors import SpillpackError
-from runtime.fileio import unlink
+from runtime.base.errors import SpillpackError
+from runtime.base.fileio import unlink
 from runtime.state.store import Store
 
 MB = 1024 * 1024

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import orjson
 
-from runtime.core.progress import ByteProgress
-from runtime.core.signals import process_handler
-from runtime.errors import SpillpackError
-from runtime.paths import spillpack_home
-from runtime.fileio import atomic_write, file_lock
-from runtime.state.store import open_store
+from runtime.base.progress import ByteProgress
+from runtime.base.signals import process_handler
+from runtime.base.errors import SpillpackError
+from runtime.base.paths import spillpack_home
+from runtime.base.fileio import atomic_write, file_lock
+from runtime.state.uri import open_store
 
 MANIFEST = ".staged.json"
 

@@ -3,7 +3,7 @@
 import json
 
 from runtime.models.ref import TAGS, tag_dirname
-from runtime.paths import spillpack_home
+from runtime.base.paths import spillpack_home
 
 
 def add_arguments(p) -> None:

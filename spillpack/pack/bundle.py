@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from runtime.bootstrap.manifest import MANIFEST, FileEntry, Manifest
-from runtime.fileio import sha256_bytes, sha256_file
+from runtime.base.fileio import sha256_bytes, sha256_file
 
 from ..quoting import comment, sh
 

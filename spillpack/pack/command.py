@@ -16,12 +16,12 @@ from pathlib import Path
 from runtime import __version__
 from runtime.bootstrap.manifest import Manifest
 from runtime.config.invocation import read_config
-from runtime.core.progress import ByteProgress
-from runtime.errors import SpillpackError, UsageError
+from runtime.base.progress import ByteProgress
+from runtime.base.errors import SpillpackError, UsageError
 from runtime.config.commands import COMMANDS as JOB_COMMANDS
 from runtime.jobs.inputs import check_inputs
 
-from .. import schedulers
+from spillpack.schedulers import files as schedulers
 from . import engines, inputs, wheels, zipapp
 from .bundle import Writer, run_sh
 

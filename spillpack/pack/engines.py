@@ -9,7 +9,7 @@ import importlib.metadata
 from pathlib import Path
 
 from runtime.bootstrap.platforms import is_apple_silicon, parse_tag
-from runtime.errors import UsageError
+from runtime.base.errors import UsageError
 
 from . import wheels
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.bootstrap.manifest import BUNDLE_PREFIX
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.models.ref import TAGS
 
 # Options whose value is a file or directory the job reads, by role.

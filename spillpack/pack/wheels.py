@@ -18,10 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from runtime.core.progress import wanted as progress_wanted
+from runtime.base.progress import wanted as progress_wanted
 from runtime.bootstrap.platforms import parse_tag, this_machine
-from runtime.errors import SpillpackError, UsageError
-from runtime.paths import spillpack_home
+from runtime.base.errors import SpillpackError, UsageError
+from runtime.base.paths import spillpack_home
 
 # name -> oldest release the runtime works with. torch is not here: it comes from the
 # target machine, or from wheels/ with --with-torch. numpy is: the runtime imports it

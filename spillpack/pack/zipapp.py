@@ -33,7 +33,7 @@ from runtime.bootstrap.wheels import unpack_wheel
 
 from .wheels import dist_of, is_pure
 
-ENTRY_POINT = "runtime.bootstrap.start:entry"
+ENTRY_POINT = "runtime.entry:bundle"
 SHEBANG = "/usr/bin/env python3"
 
 

@@ -1,6 +1,6 @@
 """`python -m spillpack.schedulers`: rewrite examples/schedulers/ from the templates."""
 
-from . import write_examples
+from spillpack.schedulers.examples import write_examples
 
 for p in write_examples():
     print(p)

@@ -239,7 +239,7 @@ class MLXEngine:
         as that, not as a change of device too."""
         import platform
 
-        from runtime.core.place import cpu_model
+        from runtime.base.place import cpu_model
 
         if self.device == mx.gpu:
             device = f"{mx.device_info().get('device_name') or 'Apple'} GPU (Metal)"
@@ -259,7 +259,7 @@ class MLXEngine:
         return model
 
     def generator(self, model_dir, tokenizer, adapter=None, slots: int = 8, max_len: int = 2048):
-        from runtime.generation import Generator
+        from runtime.engines.generation import Generator
 
         return Generator(self.load_model(model_dir, adapter).make_decoder(slots, max_len), tokenizer)
 

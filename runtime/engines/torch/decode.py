@@ -1,4 +1,4 @@
-"""The torch engine's decoder: what runtime.generation's Generator drives, over one KV cache.
+"""The torch engine's decoder: what runtime.engines.generation's Generator drives, over one KV cache.
 
 Logits leave as numpy float32 (n, V): sampling and the greedy argmax are the generator's,
 the same code for every engine.

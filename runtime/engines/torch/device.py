@@ -19,8 +19,8 @@ import sys
 
 import torch
 
-from runtime.core.allotment import cpus
-from runtime.core.place import cpu_model
+from runtime.base.allotment import cpus
+from runtime.base.place import cpu_model
 
 CUBLAS_WORKSPACE = ":4096:8"  # the setting NVIDIA documents for reproducible cuBLAS results
 

@@ -2,7 +2,7 @@
 and the flags every rank agrees on.
 
 Started by torchrun (or by `run.sh --nproc N`, which runs torchrun's launcher: see
-runtime/launch.py), every rank runs the same job: it computes its share of each optimizer
+runtime/core/launch.py), every rank runs the same job: it computes its share of each optimizer
 step's micro-batches (runtime.data.train.rank_share), the LoRA gradients and the step's loss
 sums are all-reduced before AdamW, so every rank applies the same update to the same
 tensors. Rank 0 alone writes state and emits events. Before each step, and after each
@@ -23,7 +23,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 # Long enough for rank 0 to write a merged model while the others wait at the last barrier.
 TIMEOUT = datetime.timedelta(minutes=30)

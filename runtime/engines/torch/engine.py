@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from torch.utils.checkpoint import checkpoint
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 from runtime.models.memory import loss_chunk
 from runtime.models.dropout import feature_keys, keep_mask, token_keys
 from runtime.models.lora import LoraSpec
@@ -282,7 +282,7 @@ class TorchEngine:
         return model.eval()
 
     def generator(self, model_dir, tokenizer, adapter=None, slots: int = 8, max_len: int = 2048):
-        from runtime.generation import Generator
+        from runtime.engines.generation import Generator
 
         return Generator(self.load_model(model_dir, adapter).make_decoder(slots, max_len), tokenizer)
 

@@ -17,8 +17,8 @@ import psutil
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from runtime.core.allotment import cpus
-from runtime.errors import EXIT_PREEMPTED, SpillpackError
+from runtime.base.allotment import cpus
+from runtime.base.errors import EXIT_PREEMPTED, SpillpackError
 
 RENDEZVOUS_TIMEOUT_S = 900  # nodes of one job may start minutes apart (images, queues)
 

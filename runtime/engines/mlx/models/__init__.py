@@ -3,6 +3,8 @@ strict loading of the same Hugging Face directory the torch engine reads."""
 
 from __future__ import annotations
 
+import importlib
+
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -13,6 +15,12 @@ from runtime.models.weights import check_weights, read_tensors, weight_files
 
 if TYPE_CHECKING:
     from runtime.models.ref import ModelDir
+
+
+def model_file(arch):
+    """This engine's module for an architecture: the file named by runtime.models.arch's table."""
+    assert "mlx" in arch.frameworks, (arch.model_type, "mlx")
+    return importlib.import_module(f"{__name__}.{arch.module}")
 
 
 def load_weights(files, dtype) -> dict:
@@ -32,7 +40,7 @@ def load_model(model_dir: "ModelDir", dtype=mx.float32):
     """Build the architecture named by config.json and load its weights strictly."""
     arch = architecture(model_dir.config, str(model_dir.path / "config.json"))
     args = arch.args.from_dict(model_dir.config)
-    model = arch.model_module("mlx").Model(args)
+    model = model_file(arch).Model(args)
     files = weight_files(model_dir.path)
     weights = arch.sanitize(args, load_weights(files, dtype))
     check_weights({k: v.shape for k, v in tree_flatten(model.parameters())}, {k: v.shape for k, v in weights.items()},

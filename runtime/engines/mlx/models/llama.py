@@ -243,7 +243,7 @@ class Model(nn.Module):
         return KVCache(self.args, batch, max_len, dtype=self.model.embed_tokens.weight.dtype)
 
     def make_decoder(self, slots: int, max_len: int):
-        """What runtime.generation's Generator drives: batched prefill and decode over a KV cache."""
+        """What runtime.engines.generation's Generator drives: batched prefill and decode over a KV cache."""
         from runtime.engines.mlx.decode import MLXDecoder
 
         return MLXDecoder(self, slots, max_len)

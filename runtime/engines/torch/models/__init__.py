@@ -3,6 +3,8 @@ strict loading of a Hugging Face safetensors checkpoint into it."""
 
 from __future__ import annotations
 
+import importlib
+
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
@@ -17,6 +19,12 @@ if TYPE_CHECKING:
 # Which of the micro-batch's flattened (B*T) tokens the current call sees, where a module runs
 # on some of them (a MoE expert on the tokens routed to it): LoRA dropout keys its masks by token.
 routed_tokens: ContextVar = ContextVar("routed_tokens", default=None)
+
+
+def model_file(arch):
+    """This engine's module for an architecture: the file named by runtime.models.arch's table."""
+    assert "torch" in arch.frameworks, (arch.model_type, "torch")
+    return importlib.import_module(f"{__name__}.{arch.module}")
 
 
 def load_weights(files, dtype, device) -> dict:
@@ -43,7 +51,7 @@ def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu"):
     args = arch.args.from_dict(model_dir.config)
     # Build on the meta device: no time or memory spent on a random init that is overwritten.
     with torch.device("meta"):
-        model = arch.model_module("torch").Model(args)
+        model = model_file(arch).Model(args)
     files = weight_files(model_dir.path)
     weights = arch.sanitize(args, load_weights(files, dtype, device))
     check_weights({k: tuple(v.shape) for k, v in model.state_dict().items()},

@@ -308,7 +308,7 @@ class Model(nn.Module):
         return KVCache(self.args, batch, max_len, dtype=p.dtype, device=p.device)
 
     def make_decoder(self, slots: int, max_len: int):
-        """What runtime.generation's Generator drives: batched prefill and decode over a KV cache."""
+        """What runtime.engines.generation's Generator drives: batched prefill and decode over a KV cache."""
         from runtime.engines.torch.decode import TorchDecoder
 
         return TorchDecoder(self, slots, max_len)

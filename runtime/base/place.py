@@ -14,7 +14,7 @@ import platform
 import subprocess
 import sys
 
-from runtime.core.allotment import cpus, memory_limit
+from runtime.base.allotment import cpus, memory_limit
 
 
 def device(engine: str | None) -> str:
@@ -57,11 +57,10 @@ def cpu_model() -> str:
 
 
 def _memory_gb() -> float:
+    """The machine's physical memory (sysconf: Linux and macOS alike, no third-party package)."""
     try:
-        import psutil
-
-        return psutil.virtual_memory().total / 2**30
-    except ImportError:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
         return 0.0
 
 

@@ -15,8 +15,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from runtime.core import ranks
-from runtime.errors import SpillpackError
+from runtime.base import ranks
+from runtime.base.errors import SpillpackError
 
 DEFAULT_PORT = 29500
 

@@ -42,7 +42,7 @@ def grace_from_env(strict: bool = False) -> float | None:
     if 0 < value < float("inf"):
         return value
     if strict:
-        from runtime.errors import SpillpackError
+        from runtime.base.errors import SpillpackError
 
         raise SpillpackError(f"SPILLPACK_GRACE_S={raw!r} is not a positive number of seconds", "export SPILLPACK_GRACE_S=30")
     return None

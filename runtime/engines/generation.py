@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 
 @dataclass

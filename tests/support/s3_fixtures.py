@@ -3,7 +3,7 @@ fault-injecting proxy in front of it.
 
 Use from any test module:
 
-    from tests.s3_fixtures import s3, s3_uri, fault_proxy  # noqa: F401  (pytest fixtures)
+    from tests.support.s3_fixtures import s3, s3_uri, fault_proxy  # noqa: F401  (pytest fixtures)
 
     def test_x(s3_uri):           # "s3://spillpack-test/<unique prefix>", AWS_* set for this process
         run_cli([... "--state", s3_uri + "/state"])   # subprocesses inherit the environment

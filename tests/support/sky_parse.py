@@ -1,7 +1,7 @@
 """Run by the Python that has `skypilot` (it cannot share an environment with
 transformers: skypilot 0.14.1 pins click<8.2, huggingface-hub needs click>=8.4.2).
 
-    python tests/sky_parse.py FILE.yaml [--env K=V]...  ->  JSON on stdout: what sky.Task.from_yaml made of it
+    python tests/support/sky_parse.py FILE.yaml [--env K=V]...  ->  JSON on stdout: what sky.Task.from_yaml made of it
                                                         (with --env: what `sky jobs launch --env K=V` gives it)
 """
 

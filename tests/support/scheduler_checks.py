@@ -7,7 +7,7 @@ JOB_RECOVERY_KEYS = {"strategy", "max_restarts_on_errors", "recover_on_exit_code
 
 
 def skypilot_problems(raw: dict, parsed: dict, bundle: str) -> list[str]:
-    """raw: the YAML as loaded; parsed: what tests/sky_parse.py reports from sky.Task.from_yaml."""
+    """raw: the YAML as loaded; parsed: what tests/support/sky_parse.py reports from sky.Task.from_yaml."""
     out = []
     jr = (raw.get("resources") or {}).get("job_recovery")
     if not isinstance(jr, dict):

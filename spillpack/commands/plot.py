@@ -8,7 +8,7 @@ matplotlib is the laptop's: a bundle never carries it, and without it this is on
 from __future__ import annotations
 
 from runtime.commands.story import annotations, losses
-from runtime.errors import SpillpackError
+from runtime.base.errors import SpillpackError
 
 
 def plot(told, path: str) -> None:

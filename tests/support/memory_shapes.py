@@ -34,6 +34,7 @@ def make_shape(name: str, out: Path, seed: int = 0) -> Path:
 
     from runtime.models.arch import architecture
     from runtime.models.tiny import ensure_tiny
+    from runtime.engines.torch.models import model_file
 
     out.mkdir(parents=True, exist_ok=True)
     arch_name = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[SHAPES[name]["model_type"]]
@@ -41,7 +42,7 @@ def make_shape(name: str, out: Path, seed: int = 0) -> Path:
               "torch_dtype": "float32"}
     arch = architecture(config)
     with torch.device("meta"):
-        model = arch.model_module("torch").Model(arch.args.from_dict(config))
+        model = model_file(arch).Model(arch.args.from_dict(config))
     rng = np.random.default_rng(seed)
     tensors = {}
     for key, t in model.state_dict().items():

@@ -48,7 +48,7 @@ def from_os_error(e: OSError) -> SpillpackError:
     import errno
     import os
 
-    from runtime.paths import spillpack_home
+    from runtime.base.paths import spillpack_home
 
     where = e.filename or "a file"
     home = str(spillpack_home().absolute())
