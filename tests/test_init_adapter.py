@@ -180,3 +180,19 @@ def test_a_state_of_the_same_job_is_a_resume_and_another_adapter_a_fresh_optimiz
     # Its own state as SRC is a plain resume: one line.
     r = run_cli(args + ["--state", str(tmp_path / "a"), "--init-adapter", str(tmp_path / "a")])
     assert r.returncode == 1 and "is this job's own --state" in r.stderr
+
+
+def test_pack_carries_the_init_adapter_and_the_val_file(tmp_path):
+    """Both are files the job reads: copied into the bundle and their options rewritten."""
+    from spillpack.pack.inputs import plan
+
+    (tmp_path / "adapter" / "mlx").mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors", "base.json", "mlx/adapters.safetensors"):
+        (tmp_path / "adapter" / name).write_bytes(b"x")
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    (tmp_path / "val.jsonl").write_text("{}\n")
+    p = plan({"data": str(tmp_path / "train.jsonl"), "val": str(tmp_path / "val.jsonl"), "init_adapter": str(tmp_path / "adapter")}, False)
+    assert p.rewrites == {"data": "files/data/train.jsonl", "val": "files/data/val.jsonl", "init_adapter": "files/data/adapter"}
+    assert sorted(p.files) == ["files/data/adapter/adapter_config.json", "files/data/adapter/adapter_model.safetensors",
+                               "files/data/adapter/base.json", "files/data/adapter/mlx/adapters.safetensors",
+                               "files/data/train.jsonl", "files/data/val.jsonl"]
