@@ -122,3 +122,25 @@ def test_bad_validation_input_is_one_line(home, tmp_path, extra, needle):
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("spillpack: ") and needle in line and "Try:" in line, line
     assert not (tmp_path / "s").exists()
+
+
+def test_the_held_out_pass_is_the_same_on_mlx_and_torch(home):
+    """Each engine's evaluate(): the same summed loss and target count on the same rows."""
+    pytest.importorskip("mlx.core")
+    from runtime.data.validation import eval_batches
+    from runtime.engines import OptimSpec
+    from runtime.engines.registry import get_engine
+    from runtime.models.lora import LoraSpec, init_tensors
+    from runtime.models.ref import resolve_model
+
+    md = resolve_model("tiny")
+    tok = Tokenizer.from_dir(md.path)
+    val = load_train_data(str(DATA), tok, 2048, select=lambda line: held_out(line, 0, 0.05))
+    spec = LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "v_proj"), dropout=0.1)  # dropout is off in the held-out pass
+    tensors = init_tensors(md.config, spec, 0)
+    tensors = {k: (v if "lora_A" in k else np.full(v.shape, 0.01, np.float32)) for k, v in tensors.items()}  # B non-zero
+    batches = eval_batches(val.examples, 3, tok.pad_token_id or 0)
+    got = {name: get_engine(name).train_session(md, spec, tensors, OptimSpec()).evaluate(batches) for name in ("torch-cpu", "mlx")}
+    (a, na), (b, nb) = got["torch-cpu"], got["mlx"]
+    assert na == nb == sum(sum(e.mask[1:]) for e in val.examples)
+    assert abs(a / na - b / nb) < 1e-4
