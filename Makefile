@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench clean image
 
 setup: $(VENV)/.installed $(VENV)-sky/.installed
 
@@ -30,6 +30,13 @@ test: setup
 
 test-fast: setup
 	$(PYTEST) -m "not slow"
+
+# The container images (docs/containers.md): `make image` builds spillpack:cpu, FLAVOR=cuda
+# spillpack:cuda; BASE= another base image; the engine is podman or docker, whichever is on PATH
+# (CONTAINER_ENGINE= names one), WHEELHOUSE= a copied wheelhouse for an air-gapped build.
+FLAVOR ?= cpu
+image:
+	$(PYTHON) docker/image.py --flavor $(FLAVOR) $(if $(BASE),--base $(BASE)) $(if $(WHEELHOUSE),--wheelhouse $(WHEELHOUSE))
 
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -4,6 +4,12 @@
 # (benchmarks/gpu_check_dist.sh, skipped with one GPU). Under 5 minutes on one GPU.
 # Run from anywhere:  bash benchmarks/gpu_check.sh [--skip-figures] [--json FILE]
 # Needs a Python with CUDA torch and spillpack's runtime dependencies (PYTHON=... to choose it).
+# In the spillpack:cuda image (docs/containers.md: `make image FLAVOR=cuda`), the GPU passed in:
+#   podman run --rm --device nvidia.com/gpu=all -v "$PWD":/src -w /src --user 0 --entrypoint bash spillpack:cuda benchmarks/gpu_check.sh
+#   docker run --rm --gpus all -v "$PWD":/src -w /src --user 0 --entrypoint bash spillpack:cuda benchmarks/gpu_check.sh
+# (CDI needs `nvidia-ctk cdi generate`, docker the NVIDIA Container Toolkit). There it also proves the
+# image: its torch CUDA build and CUDA wheels run on the host's driver and --engine auto picks torch-cuda
+# inside the container. Without the device the image runs on the CPU (doctor: "no CUDA device is visible").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

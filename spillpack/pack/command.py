@@ -22,7 +22,7 @@ from runtime.config.commands import COMMANDS as JOB_COMMANDS
 from runtime.jobs.inputs import check_inputs
 
 from spillpack.schedulers import files as schedulers
-from . import engines, inputs, wheels, zipapp
+from . import engines, image, inputs, wheels, zipapp
 from .bundle import Writer, run_sh
 
 
@@ -39,6 +39,9 @@ def _pack_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--include-weights", action="store_true", help="also bundle local model weights")
     p.add_argument("--scheduler", action="append", choices=schedulers.KINDS,
                    help="also write the job's file for skypilot, slurm or kubernetes beside the bundle (repeatable)")
+    p.add_argument("--image", metavar="REF",
+                   help="scheduler files: the bundle's image as you pushed it (podman build -t REF:cpu|cuda BUNDLE); "
+                        "Kubernetes runs REF:cpu or REF:cuda (default spillpack-NAME)")
     p.add_argument("--nodes", type=int, metavar="N", help="scheduler files: a data-parallel tune on N nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, metavar="G",
                    help="scheduler files: G data-parallel processes per node, one per GPU (CPU processes for --engine torch-cpu; default 1)")
@@ -171,6 +174,8 @@ def main(ns: dict, events) -> int:
             for whl in ws:
                 w.copy(f"wheels/{tag}/{whl.name}", whl)
         name = inv.options.get("name") or inv.command
+        w.write("Containerfile", image.containerfile(name, python, inv.options.get("engine"), with_torch),
+                origin="written by spillpack pack")
         w.write("run.sh", run_sh(inv.command, name, f"spillpack {__version__}", python, platforms),
                 origin="written by spillpack pack", mode=0o755)
         carries = zipapp.carries(per_platform)
@@ -182,7 +187,7 @@ def main(ns: dict, events) -> int:
 
     sched_files = []
     if kinds:
-        values = schedulers.values_for(config, out, python, bool(with_torch), nodes, per_node)
+        values = schedulers.values_for(config, out, python, bool(with_torch), nodes, per_node, ns.get("image") or "")
         for kind in kinds:
             sched_files += schedulers.write(kind, values, out.parent)
         if not values.s3:

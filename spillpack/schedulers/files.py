@@ -57,19 +57,26 @@ class Values:
     nodes: int = 1  # a data-parallel tune: nodes x gpus_per_node ranks
     gpus_per_node: int = 1
     shards: int = 1  # a row job split with --shards N: a Slurm array, an Indexed Job, N managed jobs
+    image: str = ""  # Kubernetes: the bundle's image as pushed (`pack --image REF`); the variant is its tag
 
     @property
     def distributed(self) -> bool:
         return self.nodes * self.gpus_per_node > 1
 
     @property
-    def image(self) -> str:
+    def stock_image(self) -> str:
         return image_for(self.python, self.with_torch)
 
     @property
     def torch_at_start(self) -> bool:
         """The container installs torch before run.sh: an image without it, a bundle without it."""
-        return not self.with_torch and self.image != IMAGE
+        return not self.with_torch and self.stock_image != IMAGE
+
+    @property
+    def image_ref(self) -> str:
+        """The bundle image's reference up to its variant: REF: (or REF:TAG-) + cpu|cuda."""
+        ref = self.image or f"spillpack-{self.name}"
+        return f"{ref}-" if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:"
 
     @property
     def s3(self) -> bool:
@@ -128,7 +135,8 @@ def render(kind: str, values: Values) -> dict[str, str]:
     for key, fname in names.items():
         template, _, variant = key.partition("#")
         ctx = {**asdict(values), "s3": values.s3, "state_on_volume": not values.s3, "file": fname,
-               "files": files, "variant": variant, "image": values.image, "torch_at_start": values.torch_at_start}
+               "files": files, "variant": variant, "image": values.stock_image, "image_ref": values.image_ref,
+               "torch_at_start": values.torch_at_start}
         out[fname] = _env.get_template(template).render(**ctx)
     return out
 
@@ -162,7 +170,8 @@ def check_group(nodes: int | None, per_node: int | None, command: str, engine: s
     return nodes, per_node
 
 
-def values_for(config: dict, bundle_dir: Path, python: str, with_torch: bool, nodes: int = 1, gpus_per_node: int = 1) -> Values:
+def values_for(config: dict, bundle_dir: Path, python: str, with_torch: bool, nodes: int = 1, gpus_per_node: int = 1,
+               image: str = "") -> Values:
     """Values for a packed job: its frozen config (files/job.json) and the bundle's place."""
     import importlib.metadata
 
@@ -177,7 +186,7 @@ def values_for(config: dict, bundle_dir: Path, python: str, with_torch: bool, no
     gpus = () if engine == "torch-cpu" else GPUS
     return Values(name=dns_label(name), bundle=bundle_dir.name, state=state, weights=o.get("weights"),
                   python=python, torch=torch, with_torch=with_torch, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node,
-                  shards=o.get("shards") or 1, job=JOBS.get(config["command"], config["command"]))
+                  shards=o.get("shards") or 1, job=JOBS.get(config["command"], config["command"]), image=image)
 
 
 def write(kind: str, values: Values, where: Path) -> list[Path]:
