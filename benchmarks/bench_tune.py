@@ -73,13 +73,39 @@ def spillpack_side(model: Path, data: Path, a) -> dict:
     if r.returncode != 0:
         sys.exit(r.stderr)
     events = [json.loads(l) for l in r.stdout.splitlines()]
+    start = next(e for e in events if e["event"] == "start")
     steps = [e for e in events if e["event"] == "step"][1:]  # the first step warms up
     tokens = sum(e["tokens_per_s"] * e["step_s"] for e in steps)
     seconds = sum(e["step_s"] for e in steps)
     ck = [e for e in events if e["event"] == "checkpoint"]
     shutil.rmtree(state, ignore_errors=True)
     return {"tokens_per_s": tokens / seconds, "peak_rss_gb": max(e["peak_mem_gb"] for e in steps), "wall_s": wall,
-            "checkpoint_s": ck[-1]["seconds"] if ck else None}
+            "checkpoint_s": ck[-1]["seconds"] if ck else None, "step_seconds": seconds, "rate_gflops": start.get("rate_gflops"),
+            "threads": start.get("threads")}
+
+
+def step_flops(model: Path, data: Path, a) -> float:
+    """The arithmetic of the timed steps (steps 2..N+1, as both sides time them): per token 2N in
+    forward and 2N for the input gradient over the non-embedding weights (frozen: no weight
+    gradient), the head (2VD + 2VD) only at positions with loss, causal attention (QK^T and AV:
+    2 T^2 heads*head_dim per layer forward, twice that backward). LoRA's own few GFLOPs left out."""
+    from runtime.data.train import BatchOrder, load_train_data
+    from runtime.models.tokenizer import Tokenizer
+
+    c = json.loads((model / "config.json").read_text())
+    d, L, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    hd = c.get("head_dim") or d // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * hd, c.get("num_key_value_heads", c["num_attention_heads"]) * hd
+    n = L * (d * q + 2 * d * kv + q * d + 3 * d * c["intermediate_size"])
+    train = load_train_data(str(data), Tokenizer.from_dir(model), a.max_seq)
+    order = BatchOrder([len(e.ids) for e in train.examples], a.batch, 1, 0)
+    total = 0.0
+    for step in range(1, a.steps + 1):
+        for mb in order.micro_batches(step):
+            T = max(len(train.examples[i].ids) for i in mb)  # rows are padded to the longest: that is computed too
+            targets = sum(sum(train.examples[i].mask[1:]) for i in mb)
+            total += len(mb) * (4 * n * T + 3 * 2 * T * T * q * L) + 4 * V * d * targets
+    return total
 
 
 PEER = r'''
@@ -111,10 +137,13 @@ print(json.dumps({"tokens_per_s": sum(toks[1:]) / sum(times[1:]), "peak_rss_gb":
 '''
 
 
-def peer_side(model: Path, data: Path, a) -> dict:
+def peer_side(model: Path, data: Path, a, threads: int | None = None) -> dict:
     t0 = time.perf_counter()
+    # The peer runs spillpack's thread count and OpenMP wait policy: the same cores, not torch's default on a busy machine.
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+           **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     r = subprocess.run([sys.executable, "-c", PEER, str(REPO), str(model), str(data), str(a.steps + 1), str(a.batch), str(a.rank),
-                        a.targets, str(a.max_seq)], capture_output=True, text=True)
+                        a.targets, str(a.max_seq)], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         sys.exit(r.stderr)
@@ -161,20 +190,36 @@ def main():
     ap.add_argument("--long-batch", type=int, default=8)
     ap.add_argument("--long-accum", type=int, default=4)
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "spillpack-bench"))
+    ap.add_argument("--side", choices=["both", "spillpack", "peer"], default="both",
+                    help="one side only (benchmarks/compare.py runs the spillpack side on two trees)")
+    ap.add_argument("--json", action="store_true", help="one JSON line per side instead of the text report")
     a = ap.parse_args()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     model = make_model(a.shape, work / a.shape)
     data = work / f"data-{a.words}.jsonl"
     make_data(data, 256, a.words)
+    if a.side != "both":
+        r = spillpack_side(model, data, a) if a.side == "spillpack" else peer_side(model, data, a)
+        print(json.dumps({"side": a.side, **r}) if a.json else r, flush=True)
+        return
     print(f"shape {a.shape}, batch {a.batch}, rank {a.rank}, targets {a.targets}, {a.steps} timed steps each", flush=True)
     ours = spillpack_side(model, data, a)
     print(f"spillpack tune:        {ours['tokens_per_s']:9.1f} tokens/s  peak RSS {ours['peak_rss_gb']:.2f} GB  "
           f"checkpoint commit {ours['checkpoint_s']} s", flush=True)
-    peer = peer_side(model, data, a)
+    if ours.get("rate_gflops"):
+        gflops = step_flops(model, data, a) / ours["step_seconds"] / 1e9
+        ours["gflops"], ours["rate_fraction"] = gflops, gflops / ours["rate_gflops"]
+        print(f"  a step's arithmetic: {gflops:.1f} GFLOP/s, {ours['rate_fraction']:.0%} of the engine's measured matmul rate "
+              f"({ours['rate_gflops']} GFLOP/s, doctor's figure) with {ours['threads']} threads", flush=True)
+    peer = peer_side(model, data, a, ours.get("threads"))
     print(f"transformers + PEFT:   {peer['tokens_per_s']:9.1f} tokens/s  peak RSS {peer['peak_rss_gb']:.2f} GB", flush=True)
     print(f"ratio: speed {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x, memory {ours['peak_rss_gb'] / peer['peak_rss_gb']:.2f}x "
           "(each side's own peak RSS, from getrusage in its process)")
+    if a.json:
+        print(json.dumps({"bench": "tune", "shape": a.shape, "batch": a.batch, "steps": a.steps, "spillpack": ours, "peer": peer,
+                          "speed_ratio": ours["tokens_per_s"] / peer["tokens_per_s"],
+                          "memory_ratio": ours["peak_rss_gb"] / peer["peak_rss_gb"]}), flush=True)
     if a.long_step:
         r = sigterm_long_step(model, data, a)
         print(f"long step ({r['step_s']:.1f} s): SIGTERM -> exit {r['exit_code']} in {r['sigterm_to_exit_s']:.1f} s, "

@@ -18,12 +18,14 @@ from runtime.config.commands import COMMANDS, options_for
 from runtime.config.invocation import Invocation, resolve, write_config
 from runtime.base import progress, ranks
 from runtime.core.events import Events, headless_wanted
+from runtime.base.threads import quiet_openmp
 from runtime.base.signals import Abandon, install_process_handler
 from runtime.base.errors import EXIT_PREEMPTED, SpillpackError, UsageError, from_os_error, redact
 
 # command -> (module, help). Imported only when the command runs: --help stays fast.
 OTHER_COMMANDS = {
     "doctor": ("runtime.commands.doctor", "this machine: Python, engines, memory, disk"),
+    "export": ("runtime.commands.export", "a tune's result as GGUF: the merged model (llama.cpp, Ollama) or the LoRA adapter"),
     "resume": ("runtime.commands.resume", "continue an interrupted job from its state, bundle or config"),
     "status": ("runtime.commands.status", "the story of a job from its state: processes, checkpoints, interruptions"),
 }
@@ -64,6 +66,7 @@ def build_parser(extra: dict | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) -> int:
     """`bundle`: the runtime.bootstrap.Bundle this process runs from (run.sh), else None."""
     install_process_handler()  # the entry points did already, before their imports; a library caller gets it here
+    quiet_openmp()  # the console script and the zipapp reach torch only through here
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -123,6 +126,7 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
         from runtime.models.ref import check_model_tags
 
         check_model_tags(inv.arguments, inv.options)  # an unknown tag fails here, not on the cluster
+        pin_store_weights(inv, events)
         write_config(inv, emit_path)
         events.say(f"wrote {emit_path}; run it with: spillpack {command} --config {emit_path}")
         return 0
@@ -138,6 +142,19 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
         inv.arguments, inv.options = bundle.localize(inv.arguments), bundle.localize(inv.options)
     module = importlib.import_module(COMMANDS[command].module)
     return (module.plan_only(inv, events) if plan else module.main(inv, events)).code
+
+
+def pin_store_weights(inv: Invocation, events: Events) -> None:
+    """A model only the local Ollama store holds: its verified GGUF blob becomes the config's --weights,
+    so the config names the file it was resolved to (and pack can carry it, or refuse to leave it behind)."""
+    from runtime.models.ref import store_weights
+
+    pinned = store_weights(inv.arguments, inv.options)
+    if pinned is not None:
+        _, tag, found = pinned
+        inv.options["weights"] = str(found.blob)
+        events.say(f"{tag}: the GGUF of {found.qualified} in the local Ollama store, {found.blob} (SHA-256 checked), "
+                   "recorded as --weights")
 
 
 def _events(argv: list[str]) -> Events:

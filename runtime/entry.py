@@ -10,11 +10,13 @@ import sys
 
 from runtime.base.errors import SpillpackError
 from runtime.base.signals import Abandon, install_process_handler
+from runtime.base.threads import quiet_openmp
 from runtime.bootstrap.start import prepare
 
 
 def bundle() -> None:
     install_process_handler()  # first: a stop while the bundle starts (wheels, imports) exits 75, not 143
+    quiet_openmp()  # before the job's imports load torch's OpenMP runtime
     argv = sys.argv[1:]
     try:
         bundle = prepare(argv)

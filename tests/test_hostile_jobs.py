@@ -358,7 +358,7 @@ def test_an_s3_object_that_is_not_jsonl_is_not_read_to_its_end(home, s3, s3_uri)
     probe = ("import tracemalloc; tracemalloc.start()\n"
              "from runtime.data.jsonl import read_bytes\n"
              "from runtime.base.errors import SpillpackError\n"
-             "from runtime.state.store import open_store\n"
+             "from runtime.state.uri import open_store\n"
              f"open_store({s3_uri!r}).size('weights.bin')\n"
              "before = tracemalloc.get_traced_memory()[0]; tracemalloc.reset_peak()\n"
              f"try: read_bytes({uri!r}); print('read to the end')\n"

@@ -194,8 +194,9 @@ def test_states_from_before_the_effective_batch(home, tmp_path):
 
 @pytest.mark.parametrize("engine", ["torch-cpu", "mlx"])
 def test_chunked_loss_equals_the_unchunked_one(home, engine):
-    """The loss over target positions a chunk at a time (each chunk's logits recomputed in
-    backward) gives the loss and LoRA gradients of the whole at once, within 1e-6 in float32."""
+    """The loss over target positions a chunk at a time (torch takes each chunk's gradient in forward,
+    MLX recomputes its logits in backward) gives the loss and LoRA gradients of the whole at once,
+    within 1e-6 in float32."""
     if engine == "mlx":
         pytest.importorskip("mlx.core")
     from runtime.engines import OptimSpec

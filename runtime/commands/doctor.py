@@ -5,6 +5,7 @@ import sys
 
 from runtime import __version__
 from runtime.base.allotment import cpus
+from runtime.base.threads import job_threads
 from runtime.engines.hardware import ENGINE_NAMES, choose_engine, cuda_facts, disk_free_gb, measure, memory_for, memory_gb, probe, remember_rate
 from runtime.engines.nvidia import CudaFacts
 from runtime.base.paths import spillpack_home
@@ -44,6 +45,7 @@ def report(engine: str = "auto", measure_rates: bool = True, cuda: CudaFacts | N
         except Exception as e:  # a device that cannot say its free memory is worth saying, not crashing on
             plan_from = f"unknown ({e})"
     allotted = cpus()
+    threads = job_threads(allotted.count)
     return {
         "spillpack": __version__,
         "python": sys.version.split()[0],
@@ -51,6 +53,9 @@ def report(engine: str = "auto", measure_rates: bool = True, cuda: CudaFacts | N
         "machine": f"{platform.system()} {platform.machine()}",
         "cpus": allotted.count,
         "cpus_from": allotted.source,  # "cores", or the affinity mask / cgroup CPU quota that allots fewer
+        # torch-cpu's threads: the allotted CPUs found free, or SPILLPACK_THREADS / OMP_NUM_THREADS
+        "threads": threads.count,
+        "threads_why": threads.why,
         "memory_gb": round(total, 1),
         "memory_available_gb": round(available, 1),
         "home": str(spillpack_home()),
@@ -72,6 +77,7 @@ def main(ns: dict, events) -> int:
         f"spillpack {r['spillpack']} on {r['machine']}, Python {r['python']} ({r['executable']})",
         f"cpus {r['cpus']}, memory {r['memory_available_gb']} GB free of {r['memory_gb']} GB, "
         f"disk {r['disk_free_gb']} GB free at {r['home']}",
+        f"torch-cpu threads {r['threads']}: {r['threads_why']}",
         "engines:",
     ]
     for name, e in r["engines"].items():

@@ -177,6 +177,9 @@ TUNE = (
         help="stop after PATIENCE evals in a row without a lower held-out loss (needs --val or --val-fraction)"),
     Opt("out", None, help="also write the adapter here", metavar="DIR"),
     Opt("merge", False, flag=True, help="also write merged full weights as a Hugging Face model directory"),
+    Opt("gguf", None, help="also write the merged model (base + LoRA) as one GGUF file here, for llama.cpp and Ollama",
+        metavar="FILE"),
+    Opt("gguf_type", "f16", choices=("f32", "f16", "q8_0"), help="the --gguf file's tensor type"),
     Opt("nproc", None, int, per_run=True, min=1,
         help="data-parallel processes on this machine, one per GPU (default: SPILLPACK_NPROC, else 1); started through torchrun's launcher"),
 )

@@ -32,6 +32,8 @@ from runtime.models.ref import local_path, resolve_model
 from runtime.data.rows import Row, encode_rows, error_line, ok_line, parse_rows
 from runtime.state.uri import check_output, uri_exists, write_uri
 from runtime.models.tokenizer import Tokenizer
+from runtime.base.threads import start_fields
+from runtime.base.allotment import cpus
 
 RESULTS = shards.RESULTS  # the final output, under the state
 OUTPUT_MARKER = "output"  # commit kind recorded once the final output is written
@@ -131,6 +133,7 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     extra = {"shard": job.state.identity.get("shard"), "shards": job.state.identity.get("shards")} if job.root else {}
     events.emit("start", step=len(work.lines), job=o["name"], model=a[task.model_arg],
                 placement=f"{job.engine_name}: {job.engine_reason}", state=state.uri, estimated_seconds=est, total=total, **extra,
+                **start_fields(job.engine_name, cpus().count),
                 message=f"{task.command} {a[task.model_arg]} on {a[task.input_arg]}{label}: {len(work.todo)} of {total} rows to generate "
                         f"({len(work.lines)} done or failed, up to {gen_tokens} new tokens) in batches of {o['batch']} "
                         f"on {job.engine_name}; state at {state.uri}")

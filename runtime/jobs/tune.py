@@ -21,6 +21,7 @@ import orjson
 from safetensors.numpy import save as st_save
 from safetensors.numpy import save_file as st_save_file
 
+from runtime.models import gguf_write
 from runtime.models.lora import LoraSpec, base_record, init_tensors, save_adapter
 from runtime.jobs import init_adapter
 from runtime.data.train import BatchOrder, collate, load_train_data, rank_rows
@@ -38,6 +39,8 @@ from runtime.jobs import estimate
 from runtime.jobs.sizing import plan_tune
 from runtime.state.uri import check_output, open_store
 from runtime.models.tokenizer import Tokenizer
+from runtime.base.threads import start_fields
+from runtime.base.allotment import cpus
 
 from runtime.jobs import tune_checkpoint
 from runtime.jobs.tune_checkpoint import CHECKPOINT_META, CHECKPOINT_TENSORS  # noqa: F401 (the checkpoint's file names)
@@ -78,6 +81,9 @@ def prepare(inv):
         tensors = init_tensors(model_dir.config, spec, o["seed"])  # validates --targets before any state is touched
     if o.get("out"):
         check_output(o["out"], directory=True)
+    if o.get("gguf"):  # checked before training: an architecture or file GGUF cannot take fails now, not after the last step
+        gguf_write.gguf_arch(model_dir.config)
+        gguf_write.check_gguf_output(o["gguf"], "--gguf", replace=True)
     order = BatchOrder([len(e.ids) for e in data.examples], o["batch"], o["grad_accum"], o["seed"])
     total = order.steps_for(o.get("steps"), o.get("epochs"))
     engine_name, reason = choose_engine(o.get("engine"))
@@ -162,7 +168,7 @@ def main(inv, events) -> Outcome:
         rate = engine_rate(job.engine_name)
         est = engine_estimate(model_dir.config, tokens_per_step * max(0, total - work.done), rate["matmul_gflops"])
         events.emit("start", step=work.done, job=o["name"], model=a["model"], placement=f"{job.engine_name}: {job.engine_reason}",
-                    state=job.state_uri, estimated_seconds=est, steps=total, rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
+                    state=job.state_uri, estimated_seconds=est, steps=total, **start_fields(job.engine_name, cpus().count), rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
                     estimated_peak_gb=round(plan.estimate.peak_gb, 3), memory_gb=round(plan.available_gb, 3),
                     memory_from=plan.available_from, micro_batch=plan.micro_batch, grad_checkpoint=plan.grad_checkpoint,
                     message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "
@@ -181,6 +187,8 @@ def main(inv, events) -> Outcome:
             summary["adapter"] = write_outputs(job, session, spec, model_dir, a["model"], losses, o, val)
             if val is not None and val.best is not None:
                 summary["best_adapter"] = summary["adapter"].rstrip("/") + "/best"
+            if o.get("gguf"):
+                summary["gguf"] = o["gguf"]
         return job.done(work.done, complete, stopped_early=stopped_early if val is not None else None, **summary)
 
 
@@ -316,8 +324,12 @@ def write_outputs(job, session, spec, model_dir, model_ref, losses, o, val=None)
             (out / "val_log.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in val.evals))
             if val.best is not None:
                 save_adapter(out / "best", val.best, spec, model_ref, model_dir.config["num_hidden_layers"], base_record(model_dir))
-        if o.get("merge"):
-            write_merged(out / "merged", session, model_dir)
+        if o.get("merge") or o.get("gguf"):
+            weights = session.merged_weights()
+            if o.get("merge"):
+                write_merged(out / "merged", session, model_dir, weights)
+            if o.get("gguf"):
+                write_gguf(job, weights, model_dir, o)
         store = job.state.store
         for f in sorted(p for p in out.rglob("*") if p.is_file()):
             store.put_file("adapter/" + str(f.relative_to(out)), f)
@@ -330,18 +342,34 @@ def write_outputs(job, session, spec, model_dir, model_ref, losses, o, val=None)
     return where
 
 
-def write_merged(dest: Path, session, model_dir) -> None:
+def write_merged(dest: Path, session, model_dir, weights: dict | None = None) -> None:
+    """`weights`: the session's merged weights when the caller has them already (--gguf too)."""
     dest.mkdir(parents=True)
-    weights = session.merged_weights()
+    weights = session.merged_weights() if weights is None else weights
     if model_dir.config.get("tie_word_embeddings"):
-        weights.pop("lm_head.weight", None)
+        weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
     st_save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json"):
+    if model_dir.is_gguf:  # its config and tokenizer written out as a Hugging Face directory's files
+        from runtime.models.gguf.model import hf_files
+
+        for name, data in hf_files(model_dir.path).items():
+            (dest / name).write_bytes(data)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                 "special_tokens_map.json"):
         if (model_dir.path / name).exists():
             shutil.copyfile(model_dir.path / name, dest / name)
     cfg = json.loads((dest / "config.json").read_text())
     cfg["torch_dtype"] = "float32"
     (dest / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def write_gguf(job, weights: dict, model_dir, o: dict) -> None:
+    """--gguf: the merged model as one GGUF file, and the two lines that make it an Ollama model."""
+    info = {}
+    gguf_write.deliver(o["gguf"], lambda p: info.update(gguf_write.write_model(p, weights, model_dir.config, model_dir.path,
+                                                                                o["gguf_type"], name=o["name"])))
+    lines = gguf_write.ollama_lines(o["gguf"], o["name"])
+    job.events.say(f"wrote {o['gguf']} ({info['architecture']}, {info['type']}); to run it in Ollama: " + " && ".join(lines))
 
 
 # The share of the measured matmul rate a LoRA step reaches: attention, norms, the optimizer and

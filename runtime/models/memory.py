@@ -14,8 +14,8 @@ what the engines' autograd keeps for backward through a frozen base with LoRA ad
   with checkpointing only each layer's input is kept, plus one layer's activations while
   it is recomputed in backward;
 - logits: only the positions with loss are projected, a chunk of them at a time (`loss_chunk`:
-  each chunk's logits recomputed in backward), float32, alive together with the log-softmax
-  and its gradient;
+  torch takes each chunk's input gradient in forward, MLX recomputes its logits in backward),
+  float32, alive together with the log-softmax and its gradient;
 - runtime: what the process holds before the model (interpreter, framework, tokenizer, data)
   and what its first step adds, on a host engine; the CUDA context on a GPU.
 
@@ -38,7 +38,7 @@ STEP_RUNTIME_GB = 0.1  # what a host process adds at its first step (thread pool
 CUDA_CONTEXT_GB = 0.5  # the CUDA context and cuBLAS workspaces, not in the allocator's count
 MODES = ("auto", "on", "off")
 # The loss projects the positions with loss onto the vocabulary this many float32 logits at a
-# time, each chunk recomputed in backward: at a 152k vocabulary 2,048 targets' logits alone are
+# time (each chunk's gradient taken at once, or its logits recomputed in backward): at a 152k vocabulary 2,048 targets' logits alone are
 # 1.2 GB, four times that with the log-softmax and the gradients of both.
 LOSS_CHUNK_LOGITS = 2**24  # 64 MiB of float32 logits
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from runtime.base.errors import SpillpackError
 from runtime.base.paths import spillpack_home
+from runtime.models import ollama
 from runtime.models.arch import architecture
+from runtime.models.gguf.model import find_gguf
 from runtime.models.weights import read_safetensors_header, weight_files
 from runtime.state.store import local_file
 
@@ -59,12 +61,22 @@ class ModelDir:
     config: dict = field(hash=False, compare=False)
     arch: str
 
+    @property
+    def is_gguf(self) -> bool:
+        """A GGUF file (path is the file; an Ollama blob has no .gguf suffix): config, tokenizer and weights all come from it."""
+        return self.path.is_file()
+
     def fingerprint(self) -> str:
-        """sha256 over config.json and each safetensors file's name, size and header.
+        """sha256 over config.json and each safetensors file's name, size and header (a GGUF:
+        over its header and size).
 
         Reads a few KB per file, never the tensors, so it is cheap enough to call on every
         start; a state written for other weights is then told apart from this one.
         """
+        if self.is_gguf:
+            from runtime.models.gguf.model import fingerprint
+
+            return fingerprint(self.path)
         h = hashlib.sha256()
         h.update((self.path / "config.json").read_bytes())
         for f in sorted(self.path.glob("*.safetensors")):
@@ -96,8 +108,15 @@ def resolve_model(ref: str, weights: str | None = None) -> ModelDir:
     if ref in TAGS:
         return validate(find_tag(ref, weights), TAGS[ref])
     path = local_path(ref)
+    if (gguf := find_gguf(path)) is not None:
+        return validate_gguf(gguf)
     if path.is_dir():
         return validate(path)
+    if ollama.parse_name(ref) is not None:  # a name Ollama knows: its GGUF from --weights (as --emit-config pins it) or the store
+        if weights is not None and (gguf := find_gguf(local_path(weights))) is not None:
+            return validate_gguf(gguf)
+        if (found := ollama.find(ref)) is not None:
+            return validate_gguf(found.blob)
     check_tag(ref)
     raise SpillpackError(
         f"model {ref!r} is neither a known tag nor a local model directory",
@@ -113,10 +132,29 @@ def looks_like_tag(ref: str) -> bool:
 
 
 def check_tag(ref: str) -> None:
-    """Refuse a reference written like a tag (name:size) that is not a known one."""
-    if looks_like_tag(ref) and ref not in TAGS:
+    """Refuse a reference written like a tag (name:size) that is not a known one nor in the local Ollama store."""
+    if looks_like_tag(ref) and ref not in TAGS and ollama.find(ref, verify=False) is None:
         known = ", ".join(["tiny", *TAGS])
-        raise SpillpackError(f"unknown model tag {ref!r} (known: {known})", "tiny, or a Hugging Face model directory, as the job's MODEL (spillpack models lists the tags)")
+        raise SpillpackError(f"unknown model tag {ref!r} (known: {known}; not in the Ollama store at {ollama.store_root()} either)",
+                             "tiny, or a Hugging Face model directory, as the job's MODEL (spillpack models lists the tags)")
+
+
+def store_weights(arguments: dict, options: dict) -> tuple[str, str, "ollama.StoreModel"] | None:
+    """(option, tag, store model) when the job's model is a tag that only the local Ollama store
+    holds here (no --weights, no SPILLPACK_HOME/models copy): the blob is verified, and
+    --emit-config and pack pin it as the job's --weights."""
+    if options.get("weights"):
+        return None
+    for key in MODEL_KEYS:
+        ref = arguments.get(key, options.get(key))
+        if not isinstance(ref, str) or ref == "tiny" or ollama.parse_name(ref) is None or Path(ref).expanduser().exists():
+            continue
+        if ref in TAGS and (spillpack_home() / "models" / tag_dirname(ref)).is_dir():
+            continue
+        found = ollama.find(ref)
+        if found is not None:
+            return key, ref, found
+    return None
 
 
 def check_model_tags(*sections: dict) -> None:
@@ -132,6 +170,8 @@ def find_tag(tag: str, weights: str | None) -> Path:
     looked = []
     if weights is not None:
         path = local_path(weights)
+        if (gguf := find_gguf(path)) is not None:
+            return gguf
         if path.is_dir():
             return path
         looked.append(f"--weights {weights}")
@@ -139,8 +179,11 @@ def find_tag(tag: str, weights: str | None) -> Path:
     if home.is_dir():
         return home
     looked.append(str(home))
+    if (found := ollama.find(tag)) is not None:
+        return found.blob
+    looked.append(f"the Ollama store at {ollama.store_root()}")
     raise SpillpackError(
-        f"no weights for {tag} (looked in {' and '.join(looked)}); download {TAGS[tag].hf_repo} first",
+        f"no weights for {tag} (looked in {', '.join(looked[:-1])} and {looked[-1]}); download {TAGS[tag].hf_repo} first",
         f"MODEL {tag} with --weights /path/to/{tag_dirname(tag)}",
     )
 
@@ -150,8 +193,23 @@ def tag_dirname(tag: str) -> str:
     return tag.replace(":", "-")
 
 
+def validate_gguf(path: Path, tag: Tag | None = None) -> ModelDir:
+    """Check a GGUF file is a loadable model (header, architecture, tensor types, tokenizer)."""
+    from runtime.models.gguf.model import check
+
+    config = check(path)
+    arch = architecture(config, str(path)).model_type
+    # A GGUF holds Gemma 3's language model only, whichever size the tag names.
+    if tag is not None and arch != tag.arch and {arch, tag.arch} != {"gemma3", "gemma3_text"}:
+        raise SpillpackError(f"{path} holds a {arch} model, but the tag expects {tag.arch!r}",
+                             f"--weights pointing at a GGUF of {tag.hf_repo}")
+    return ModelDir(path=path.resolve(), config=config, arch=arch)
+
+
 def validate(path: Path, tag: Tag | None = None) -> ModelDir:
     """Check a directory is a loadable HF model; each failure names the file at fault."""
+    if (gguf := find_gguf(path)) is not None:
+        return validate_gguf(gguf, tag)
     config_file = path / "config.json"
     if not config_file.exists():
         raise SpillpackError(f"no config.json in {path}", "a Hugging Face model directory as the job's MODEL or --weights")

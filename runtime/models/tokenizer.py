@@ -13,6 +13,7 @@ from functools import cached_property
 from pathlib import Path
 
 from runtime.base.errors import SpillpackError
+from runtime.models.gguf import is_gguf_file
 
 # Variables every template sees unless a caller overrides them (transformers passes a call's
 # kwargs the same way): thinking off, for training data and for `run` rows that do not ask.
@@ -96,6 +97,8 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(path)
+        if is_gguf_file(path):  # a .gguf, or an Ollama blob
+            return cls.from_gguf(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.exists():
             raise SpillpackError(f"no tokenizer.json in {path}", f"copy the tokenizer files of the model into {path}")
@@ -111,6 +114,14 @@ class Tokenizer:
         if (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
         return cls(tok, tokenizer_config, _read_json(path / "config.json"), _read_json(path / "generation_config.json"), template, path)
+
+    @classmethod
+    def from_gguf(cls, path) -> "Tokenizer":
+        """The tokenizer and chat template a GGUF's metadata describes (runtime.models.gguf.tokenizer)."""
+        from runtime.models.gguf.model import tokenizer_parts
+
+        tok, tokenizer_config, config = tokenizer_parts(path)
+        return cls(tok, tokenizer_config, config, {}, tokenizer_config.get("chat_template"), Path(path))
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -16,13 +16,17 @@ from pathlib import Path
 import numpy as np
 
 from runtime.base.errors import SpillpackError
+from runtime.models.gguf import is_gguf_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the shards named by the index, or model.safetensors."""
+    """The safetensors files of a checkpoint: the shards named by the index, or model.safetensors
+    (a GGUF is its own one file)."""
+    if is_gguf_file(path):
+        return [path]
     index = path / INDEX
     if index.exists():
         try:
@@ -60,13 +64,24 @@ def tensor_shapes(files) -> dict[str, tuple]:
     """name -> shape of every tensor in the files, from their headers alone."""
     out = {}
     for f in files:
+        if is_gguf_file(f):
+            from runtime.models.gguf.model import tensor_shapes as gguf_shapes
+
+            out.update(gguf_shapes(f))
+            continue
         out.update({k: tuple(v["shape"]) for k, v in json.loads(read_safetensors_header(f)).items() if k != "__metadata__"})
     return out
 
 
 def read_tensors(files):
-    """(name, safetensors dtype, numpy array) for each tensor, one at a time, in file order."""
+    """(name, safetensors dtype, numpy array) for each tensor, one at a time, in file order
+    (a GGUF's dequantized to float32, under the Hugging Face names)."""
     for f in files:
+        if is_gguf_file(f):
+            from runtime.models.gguf.model import read_tensors as gguf_tensors
+
+            yield from gguf_tensors(f)
+            continue
         raw = read_safetensors_header(f)
         header, start = json.loads(raw), 8 + len(raw)
         entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0])

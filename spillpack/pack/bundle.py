@@ -59,6 +59,8 @@ fi
 if [ "${{1:-}}" = "--verify" ]; then
   exec "$py" "$here/spillpack.pyz" --verify
 fi
+# OpenMP's idle threads sleep rather than spin on cores other processes hold (runtime/base/threads.py).
+export OMP_WAIT_POLICY="${{OMP_WAIT_POLICY:-PASSIVE}}"
 # exec: the job becomes this process, so a scheduler's SIGTERM reaches it (also as PID 1).
 exec "$py" "$here/spillpack.pyz" "$command" --config "$here/files/job.json" "$@"
 """

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from runtime.bootstrap.manifest import BUNDLE_PREFIX
 from runtime.base.errors import SpillpackError
+from runtime.models.gguf.model import is_gguf
 from runtime.models.ref import TAGS
 
 # Options whose value is a file or directory the job reads, by role.
@@ -92,8 +93,44 @@ def _files_under(name: str, path: Path) -> list[Path]:
     return out
 
 
+def _store_gguf(values: dict, include_weights: bool) -> tuple[str, Path] | None:
+    """(label, blob) when the job's weights are a GGUF of the local Ollama store: pinned as --weights
+    by --emit-config, or a tag only the store holds. A cluster has no such store, so without
+    --include-weights this is refused with the two ways to get the file there."""
+    from runtime.models import ollama
+    from runtime.models.ref import MODEL_KEYS, store_weights, tag_dirname
+
+    weights = values.get(WEIGHTS_OPTION)
+    tag, blob = None, None
+    if isinstance(weights, str) and weights and "://" not in weights:
+        path = Path(os.path.abspath(os.path.expanduser(weights)))
+        if path.is_file() and path.parent.name == "blobs" and path.name.startswith("sha256-") and (path.parent.parent / "manifests").is_dir():
+            blob = path
+            tag = next((values[k] for k in MODEL_KEYS if isinstance(values.get(k), str) and ollama.parse_name(values[k])), path.name)
+    elif not weights:
+        pinned = store_weights(values, values)
+        if pinned is not None:
+            tag, blob = pinned[1], pinned[2].blob
+    if blob is None:
+        return None
+    label = tag_dirname(tag.split("/")[-1])
+    if not include_weights:
+        size = blob.stat().st_size
+        raise SpillpackError(
+            f"the job's weights are {tag} from the local Ollama store ({blob}, {size / 1e6:.0f} MB), which the target does not have",
+            f"spillpack pack ... --include-weights to carry the GGUF, or stage it: aws s3 cp {blob} "
+            f"s3://BUCKET/models/{label}/{label}.gguf and --weights s3://BUCKET/models/{label}/ in the job")
+    return label, blob
+
+
 def plan(values: dict, include_weights: bool) -> Plan:
     result = Plan()
+    store = _store_gguf(values, include_weights)
+    if store is not None:  # the GGUF as it is, under a .gguf name, in a directory of its own (checked whole at start)
+        label, blob = store
+        result.rewrites[WEIGHTS_OPTION] = f"{BUNDLE_PREFIX}weights/{label}"
+        result.files[f"{BUNDLE_PREFIX}weights/{label}/{label}.gguf"] = blob
+        values = {k: v for k, v in values.items() if k != WEIGHTS_OPTION}
     data: dict[str, Path] = {}
     for name in DATA_OPTIONS:
         value = values.get(name)
@@ -106,10 +143,12 @@ def plan(values: dict, include_weights: bool) -> Plan:
         value = values.get(name)
         if not isinstance(value, str) or not value or value == "tiny" or value in TAGS:
             continue
+        if store is not None and name in MODEL_OPTIONS and not os.path.exists(os.path.expanduser(value)):
+            continue  # the store's tag: its GGUF is carried above
         path = _local(name, value)
         if path is None:
             continue
-        if name in MODEL_OPTIONS and not path.is_dir():
+        if name in MODEL_OPTIONS and not path.is_dir() and not is_gguf(path):
             continue  # not a directory: the runtime's model lookup reports it as it always does
         if include_weights:
             weights[name] = path
@@ -128,14 +167,15 @@ def plan(values: dict, include_weights: bool) -> Plan:
     used: set[str] = set()
     for name, path in weights.items():
         files = _files_under(name, path)
-        base = path.name or "model"
+        base = (path.stem if path.is_file() else path.name) or "model"  # one GGUF file: a directory of its own
         label, n = base, 2
         while label in used:
             label, n = f"{base}-{n}", n + 1
         used.add(label)
         result.rewrites[name] = f"{BUNDLE_PREFIX}weights/{label}"
         for f in files:
-            result.files[f"{BUNDLE_PREFIX}weights/{label}/{f.relative_to(path).as_posix()}"] = f
+            rel = f.name if path.is_file() else f.relative_to(path).as_posix()
+            result.files[f"{BUNDLE_PREFIX}weights/{label}/{rel}"] = f
     return result
 
 

@@ -35,6 +35,9 @@ RUNTIME_DEPS = {
     "jinja2": "3.1",
     "markupsafe": "2.1",
     "tomli-w": "1.0",
+    # GGUF models: gguf is pure Python (dequantization in numpy); importing it imports yaml.
+    "gguf": "0.10",
+    "pyyaml": "5.1",
 }
 # Only when the job names an s3:// URI. All pure Python.
 S3_DEPS = {"boto3": "1.28", "botocore": "1.31", "s3transfer": "0.6", "jmespath": "1.0", "python-dateutil": "2.8",

@@ -21,6 +21,7 @@ import torch
 
 from runtime.base.allotment import cpus
 from runtime.base.place import cpu_model
+from runtime.base.threads import job_threads
 
 CUBLAS_WORKSPACE = ":4096:8"  # the setting NVIDIA documents for reproducible cuBLAS results
 
@@ -31,13 +32,14 @@ def before_cuda() -> None:
 
 
 def fit_threads(device: torch.device) -> int:
-    """On a CPU, one torch thread per CPU this process is allotted, not per core of the machine:
-    under a pod's or container's CPU quota, threads beyond it wait on each other at every op and
-    a step runs many times slower (OMP_NUM_THREADS, when set, is the user's choice and stays)."""
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        allotted = cpus().count
-        if torch.get_num_threads() > allotted:
-            torch.set_num_threads(allotted)
+    """On a CPU, one torch thread per CPU this process is allotted and finds free at its start
+    (runtime.base.threads: a core another process holds makes every op wait for the thread
+    descheduled there; under a pod's CPU quota, threads beyond it wait on each other the same
+    way). OMP_NUM_THREADS, when set, is the user's choice and torch already follows it."""
+    if device.type == "cpu":
+        threads = job_threads(cpus().count)
+        if threads.why != "OMP_NUM_THREADS" and torch.get_num_threads() != threads.count:
+            torch.set_num_threads(threads.count)
     return torch.get_num_threads()
 
 

