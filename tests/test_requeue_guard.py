@@ -83,7 +83,8 @@ def test_guard_stops_a_job_whose_grace_is_shorter_than_its_checkpoint(home, tmp_
 def test_guard_never_stops_a_job_that_progresses(home, tmp_path):
     """Preempted four times with --max-stalled-starts 1: each start commits something, so it runs to the end."""
     state = tmp_path / "state"
-    args = ["tune", "tiny", "examples/data/train.jsonl", "--steps", "10", "--state", str(state), "--ckpt-every", "100",
+    # 40 steps: a start signalled at its second step never reaches the end first, even where steps take milliseconds.
+    args = ["tune", "tiny", "examples/data/train.jsonl", "--steps", "40", "--state", str(state), "--ckpt-every", "100",
             "--max-stalled-starts", "1"]
     for n in range(4):
         p = start(args)
@@ -98,7 +99,7 @@ def test_guard_never_stops_a_job_that_progresses(home, tmp_path):
     r = run_cli(args)
     assert r.returncode == 0, r.stderr
     done = events_of(r.stdout)[-1]
-    assert done["event"] == "done" and done["complete"] and done["steps"] == 10
+    assert done["event"] == "done" and done["complete"] and done["steps"] == 40
     counts = next(e for e in events_of(run_cli(["status", str(state), "--headless"]).stdout) if e["kind"] == "starts")
     assert (counts["starts"], counts["preemptions"], counts["stalled_in_a_row"]) == (5, 4, 0)
 
