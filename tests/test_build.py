@@ -79,3 +79,14 @@ def test_example_task_is_learned_and_distilled(home, tmp_path):
     d = build(distill_folder, tmp_path / "b2", "--teacher-adapter", teacher, timeout=1800)[-1]
     assert d["stages"]["distill"]["examples"] > 0
     assert d["stages"]["eval-tuned"]["accuracy"] >= d["stages"]["eval-base"]["accuracy"] + 0.3, d["stages"]
+
+
+@pytest.mark.slow
+def test_build_with_a_held_out_split_scores_the_best_adapter(home, tmp_path):
+    folder = small_folder(tmp_path / "f", evals=2, prompts=0)
+    done = build(folder, tmp_path / "s", "--steps", "4", "--max-tokens", "2", "--batch", "2", "--val-fraction", "0.3")[-1]
+    tune = done["stages"]["tune"]
+    assert done["complete"] and tune["best_step"] in (4,) and tune["best_val_loss"] > 0 and tune["stopped_early"] is False
+    eval_tuned = json.loads((tmp_path / "s" / "stages" / "eval-tuned" / "invocation.json").read_text())
+    assert eval_tuned["options"]["adapter"].endswith("stages/tune/adapter/best")
+    assert (tmp_path / "s" / "stages" / "tune" / "adapter" / "best" / "adapter_model.safetensors").is_file()

@@ -54,6 +54,7 @@ def story_state(root):
         {**c, "what": "engine", "time": 1.8e9 + 200.5, "engine": "torch-cuda", "device": "NVIDIA A10G (sm_86, 22 GB)",
          "software": "torch 2.13.0, CUDA 12.8, cuDNN 91000", "dtype": "bfloat16"},
         {**c, "what": "resume", "time": 1.8e9 + 201, "step": 10, "uri": f"{u}/00000003.json"},
+        {**c, "what": "eval", "time": 1.8e9 + 229, "step": 20, "val_loss": 1.2345678, "tokens": 512, "seconds": 0.8, "best_step": 20},
         {**c, "what": "checkpoint", "time": 1.8e9 + 230, "step": 20, "seq": 4, "uri": f"{u}/00000004.json", "seconds": 0.05},
         {**c, "what": "done", "time": 1.8e9 + 231, "step": 20},
     ], progress=[{**b, "done": 14, "time": 1.8e9 + 113}])
@@ -81,6 +82,9 @@ def test_story_golden(home, tmp_path):
     assert [e["time"] for e in events] == sorted(e["time"] for e in events)
     kill = next(e for e in events if e["kind"] == "hard_kill")
     assert (kill["committed"], kill["reached"], kill["repeated"]) == (10, 14, 4)
+    starts = next(e for e in events if e["kind"] == "starts")
+    assert (starts["starts"], starts["preemptions"], starts["hard_kills"]) == (3, 1, 1)
+    assert next(e for e in events if e["kind"] == "eval")["val_loss"] == 1.2345678
     # Resumed on other engines: what ran where (a hard kill's repeated steps counted once), and
     # the tolerance promised instead of bit-identity.
     promise = events[-1]
@@ -138,8 +142,10 @@ def test_story_of_real_interruptions(home, tmp_path):
     assert r.returncode == 0, r.stderr
     human = run_cli(["status", str(state)], env={"SPILLPACK_HEADLESS": "0"}).stdout
     events = events_of(run_cli(["status", str(state), "--headless"]).stdout)
-    kinds = [e["kind"] for e in events if e["kind"] != "resume_promise"]  # the closing line on what a resume keeps
+    kinds = [e["kind"] for e in events if e["kind"] not in ("resume_promise", "starts")]  # the closing lines
     assert kinds.count("process") == 3 and kinds.count("resume") == 2 and kinds[-1] == "done"
+    starts = next(e for e in events if e["kind"] == "starts")  # the requeue guard's counts
+    assert (starts["starts"], starts["preemptions"], starts["hard_kills"], starts["stalled_in_a_row"]) == (3, 1, 1, 0)
     intr = next(e for e in events if e["kind"] == "interrupted")
     after = events[events.index(intr) + 1]
     assert intr["signal"] == "SIGTERM" and after["kind"] == "checkpoint" and after["step"] == intr["step"]

@@ -97,13 +97,16 @@ class Preemption:
         if self.stop_requested:
             raise Abandon()
 
-    def request(self, name: str) -> None:
+    def request(self, name: str, within_s: float | None = None) -> None:
         """A stop asked for without a signal (a cloud's preemption notice): same as SIGTERM.
 
         From another thread (the notice watcher) a real SIGTERM is sent to the main thread,
         so the one handler runs where it can abandon a step, and a blocking call there wakes
         up. Once uninstalled (the job is over) the request is dropped rather than let the
-        default SIGTERM action kill the process."""
+        default SIGTERM action kill the process. `within_s`: the notice names a deadline (Azure's
+        NotBefore) closer than the grace, which then ends there."""
+        if within_s is not None and within_s < self.seconds_left():
+            self.set_grace(max(within_s, 0.1))
         if threading.current_thread() is threading.main_thread():
             self._on_signal(signal.SIGTERM, None, name=name)
             return

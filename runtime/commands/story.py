@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 
+from runtime.core import requeue
 from runtime.state.jobstate import JobState
 
 ROW_COMMANDS = ("run", "eval", "distill")
@@ -122,6 +123,15 @@ def annotations(state: JobState, command: str | None = None) -> list[dict]:
                 step = r.get("step") if r.get("step") is not None else done
                 out.append({"kind": "failed", "time": t, "process": proc, unit: step, "error": r.get("error"),
                             "text": f"  failed at {unit} {step}: {r.get('error')}"})
+            elif what == "eval":  # a tune's held-out loss (--val / --val-fraction)
+                out.append({"kind": "eval", "time": t, "process": proc, "step": r.get("step"), "val_loss": r.get("val_loss"),
+                            "tokens": r.get("tokens"), "seconds": r.get("seconds"), "best_step": r.get("best_step"),
+                            "text": f"  held-out loss at step {r.get('step')}: {r.get('val_loss'):.6f} over {r.get('tokens')} tokens "
+                                    f"in {_secs(r.get('seconds'))} (best so far: step {r.get('best_step')})"})
+            elif what == "requeue-guard":  # exit 1 before any work: the starts before it made no progress
+                ended = True
+                out.append({"kind": "requeue_guard", "time": t, "process": proc, "stalled": r.get("stalled"), "reason": r.get("reason"),
+                            "text": f"  stopped by the requeue guard (exit 1): {r.get('reason')}"})
             elif what in ("done", "stopped"):
                 ended = True
                 how = "finished" if what == "done" else "stopped by --stop-after"
@@ -142,6 +152,15 @@ def annotations(state: JobState, command: str | None = None) -> list[dict]:
             else:
                 out.append({"kind": "running", "time": last, "process": proc, "committed": done, "reached": reached,
                             "text": f"  no end record yet: running, or killed after {unit} {reached}"})
+    # An eval done again after a resume (past the last checkpoint) is told once, where it last happened.
+    last_eval = {a["step"]: i for i, a in enumerate(out) if a["kind"] == "eval"}
+    out = [a for i, a in enumerate(out) if a["kind"] != "eval" or last_eval[a["step"]] == i]
+    if writers:
+        c = requeue.counts(requeue.starts(history, progress))
+        out.append({"kind": "starts", "time": out[-1]["time"] if out else None, **c,
+                    "text": f"starts {c['starts']}: {c['preemptions']} preempted, {c['hard_kills']} hard killed; "
+                            f"{c['stalled_in_a_row']} in a row before the newest made no progress (the requeue guard stops a job "
+                            f"at --max-stalled-starts, default {requeue.DEFAULT_MAX_STALLED})"})
     promise = resume_promise(ran, unit) if len(writers) > 1 else None
     if promise:
         text = f"resume: {promise['promise']}: {promise['why']}"
@@ -197,7 +216,7 @@ def losses(state: JobState) -> list[float]:
     """A tune's losses by step: the finished adapter's log, else the newest checkpoint's."""
     import orjson
 
-    from runtime.jobs.tune import CHECKPOINT_META
+    from runtime.jobs.tune_checkpoint import CHECKPOINT_META
 
     log = state.store.read("adapter/train_log.jsonl")
     if log:

@@ -11,6 +11,8 @@ from runtime.config import options as O
 from runtime.base.errors import SpillpackError
 
 BUILD_STAGES = ("eval-base", "distill", "tune", "eval-tuned")
+DEFAULT_RANK = 16
+DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 
 
 @dataclass(frozen=True)
@@ -28,14 +30,23 @@ class JobCommand:
 
 
 def _derive_tune(v: dict) -> None:
-    if v.get("alpha") is None:
-        v["alpha"] = 2.0 * v["rank"]
+    if not v.get("init_adapter"):  # an --init-adapter brings its own rank, alpha and targets (runtime/jobs/init_adapter.py)
+        if v.get("rank") is None:
+            v["rank"] = DEFAULT_RANK
+        if v.get("alpha") is None:
+            v["alpha"] = 2.0 * v["rank"]
+        if v.get("targets") is None:
+            v["targets"] = DEFAULT_TARGETS
+    if (v.get("val") or v.get("val_fraction")) and v.get("eval_every") is None:
+        v["eval_every"] = v["ckpt_every"]
     if v.get("steps") is None and v.get("epochs") is None:
         v["epochs"] = 1.0
 
 
 def _check_targets(command: str):
     def check(v: dict) -> None:
+        if v.get("targets") is None and v.get("init_adapter"):
+            return  # the adapter's
         if not [t for t in str(v["targets"]).split(",") if t.strip()]:
             raise SpillpackError(f"--targets {v['targets']!r} names no layer", f"spillpack {command} ... --targets q_proj,v_proj")
     return check
@@ -52,10 +63,18 @@ def _check_counted_stop(command: str, unit: str):
 def _check_tune(v: dict) -> None:
     _check_targets("tune")(v)
     _check_counted_stop("tune", "step")(v)
+    if v.get("val") and v.get("val_fraction"):
+        raise SpillpackError("--val and --val-fraction both name held-out rows; give one",
+                             "spillpack tune MODEL DATA --val VAL.jsonl (or --val-fraction 0.1)")
+    for name in ("eval_every", "early_stop"):
+        if v.get(name) is not None and not (v.get("val") or v.get("val_fraction")):
+            raise SpillpackError(f"--{name.replace('_', '-')} needs held-out rows", f"spillpack tune MODEL DATA --val-fraction 0.1 --{name.replace('_', '-')} {v[name]}")
 
 
 def _check_build(v: dict) -> None:
     _check_targets("build")(v)
+    if v.get("early_stop") is not None and not v.get("val_fraction"):
+        raise SpillpackError("--early-stop needs held-out rows", f"spillpack build FOLDER --val-fraction 0.1 --early-stop {v['early_stop']}")
     stop_point(v.get("stop_after"))
     _check_shard("build", v)
 

@@ -24,13 +24,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import orjson
+
 from runtime.base import place, ranks
+from runtime.core import requeue
 from runtime.core.events import Events
 from runtime.core.notices import NoticeWatcher, start_watcher
 from runtime.base.signals import PROMISE_S, Abandon, Preemption, grace_from_env, install_process_handler
 from runtime.engines.registry import get_engine, group_opener
 from runtime.engines.hardware import choose_engine
 from runtime.base.errors import EXIT_OK, EXIT_PREEMPTED, SpillpackError
+from runtime.base.fileio import sha256_bytes
 from runtime.base.paths import spillpack_home
 from runtime.state.jobstate import JobState
 from runtime.state.uri import open_store
@@ -129,14 +133,21 @@ class Job:
         uri = state_uri(o)
         state = root = None
         if group is None or group.writer:
+            config = inv.to_config()
+            # The requeue guard's "same settings": a start with another config or grace begins a new count.
+            settings = sha256_bytes(orjson.dumps({"config": config, "grace_s": preemption.promise_s}, option=orjson.OPT_SORT_KEYS))[:16]
+            start = {"settings": settings, "grace_s": preemption.promise_s}
             root = JobState(open_store(uri), identity, engine=engine_name, upgrade=upgrade)
-            root.open(log=shard is None, **place.describe(engine_name), **({"world": group.world, "hosts": group.hosts} if group else {}))
+            root.open(log=shard is None, **place.describe(engine_name), **start,
+                      **({"world": group.world, "hosts": group.hosts} if group else {}))
             state = root
             if shard is not None:
                 state = root.shards.shard(shard["shard"], shard)
-                state.open(**place.describe(engine_name))
-            config = inv.to_config()
+                state.open(**place.describe(engine_name), **start)
             root.save_invocation({**config, "options": {**config["options"], "state": uri}})
+            if inv.command != "build":  # a build's progress is its stages', each guarded as a job of its own
+                requeue.check(state, o.get("max_stalled_starts", requeue.DEFAULT_MAX_STALLED), settings,
+                              "row" if inv.command in ("run", "eval", "distill") else "step")
         on_place = (lambda info: state.log("place", **info)) if state is not None else None
         notices = start_watcher(o.get("preemption_notice"), preemption, on_place=on_place)
         return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices, group,
@@ -194,6 +205,7 @@ class Job:
         recent: list[float] = []
         while work.remaining():
             if self.agree(self.preemption.stop_requested):
+                self.stopping(work.done)
                 work.commit()
                 return self.preempted(work.done, abandoned_quantum=False)
             if stop_after is not None and work.done >= stop_after:
@@ -207,6 +219,7 @@ class Job:
                 abandoned = True
             if self.agree(abandoned):  # one rank's abandoned quantum is every rank's
                 work.discard()
+                self.stopping(work.done)
                 work.commit()
                 return self.preempted(work.done, abandoned_quantum=True)
             work.settle()
@@ -233,6 +246,12 @@ class Job:
             self._progress_at = now
             self.state.note_progress(done)
 
+    def stopping(self, done: int) -> None:
+        """Asked to stop, about to commit: a start killed after this record died committing (the
+        requeue guard's evidence that the grace is shorter than a checkpoint takes)."""
+        if self.writer:
+            self.state.log("stopping", step=done, signal=self.preemption.signal_name, grace_s=self.preemption.promise_s)
+
     def restored(self, count: int, uri: str) -> None:
         self.events.emit("restore", step=count, uri=uri)
         if self.writer:
@@ -253,14 +272,17 @@ class Job:
                            grace_s=p.promise_s, signalled=signalled)
         if emit:
             self.events.emit("preempted", step=step, signal=sig, abandoned_quantum=abandoned_quantum, seconds=since, grace_s=p.promise_s)
+        self.notices.committed()  # the checkpoint is committed: a cloud that waits for an acknowledgement may evict now
         return Outcome(EXIT_PREEMPTED)
 
-    def done(self, step: int, complete: bool, **summary) -> Outcome:
+    def done(self, step: int, complete: bool, stopped_early: bool | None = None, **summary) -> Outcome:
+        """`stopped_early`: a tune's --early-stop ended it (complete, before its last step); by default
+        a job stopped early is one that --stop-after stopped."""
         if self.writer:
             self.state.log("done" if complete else "stopped", step=step)
-        self.events.emit("done", step=step, complete=complete, stopped_early=not complete,
+        self.events.emit("done", step=step, complete=complete, stopped_early=not complete if stopped_early is None else stopped_early,
                          seconds=round(self.elapsed(), 3), **summary)
-        return Outcome(EXIT_OK, complete, summary)
+        return Outcome(EXIT_OK, complete, {**summary, **({"stopped_early": stopped_early} if stopped_early is not None else {})})
 
 
 def open_group(engine_name: str, command: str):

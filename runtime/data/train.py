@@ -58,10 +58,14 @@ def train_conversations(raw: bytes, uri: str) -> list[tuple[int, list[dict]]]:
     return [(n, chat_messages(obj, n, uri)) for n, obj in iter_jsonl(raw, uri)]
 
 
-def load_train_data(uri: str, tokenizer, max_seq: int, bundle=None) -> TrainData:
-    raw = read_bytes(uri, "training data", bundle)
+def load_train_data(uri: str, tokenizer, max_seq: int, bundle=None, select=None, what: str = "training data") -> TrainData:
+    """`select(line bytes) -> bool`: only the rows it keeps (a validation split, runtime/data/validation.py)."""
+    raw = read_bytes(uri, what, bundle)
+    lines = raw.splitlines() if select is not None else None
     examples, dropped = [], 0
     for n, messages in train_conversations(raw, uri):
+        if select is not None and not select(lines[n - 1]):
+            continue
         ids, mask = tokenizer.encode_chat(messages)
         if len(ids) > max_seq:
             dropped += 1
@@ -69,6 +73,8 @@ def load_train_data(uri: str, tokenizer, max_seq: int, bundle=None) -> TrainData
         if sum(mask[1:]) == 0:  # targets are predicted from the token before them
             raise SpillpackError(f"{uri} line {n} has no assistant tokens after rendering", f"sed -n {n}p {uri}")
         examples.append(Example(ids, mask))
+    if not examples and select is not None and not dropped:
+        raise SpillpackError(f"no row of {uri} falls in this part of the validation split", "a larger file or another --val-fraction")
     if not examples:
         raise SpillpackError(f"every example in {uri} is longer than --max-seq {max_seq} ({dropped} dropped)", f"--max-seq {max_seq * 2}")
     return TrainData(examples, dropped, sha256_bytes(raw))

@@ -10,6 +10,8 @@
             be (ids, labels, places): the rows' places in the step (default: counted from 0
             over the call's micro-batches), which with the seed and step key LoRA dropout's
             masks (runtime.models.dropout), so a step's masks do not depend on how it is cut
+        evaluate(micro_batches: list[(ids, labels)]) -> (loss_sum, targets)
+                                            held-out loss: forward only, no gradient, dropout off
         apply(lr)                           the AdamW update (torch.optim.AdamW's formula on every engine)
         discard()                           drop accumulated gradients
         export() -> dict[str, np.ndarray]   engine-neutral float32: adapter.<name>, optim.<name>.exp_avg(_sq)

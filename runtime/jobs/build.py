@@ -98,6 +98,8 @@ def main(inv, events) -> Outcome:
     split = shards.plan(o, "build")
     if split.count > 1:
         identity["shards"] = split.count
+    if o.get("val_fraction"):  # only then: a build state written without validation keeps its identity
+        identity.update(val_fraction=o["val_fraction"], early_stop=o.get("early_stop"))
     with Job.open(inv, identity, events) as job:
         return _run(job, inv, events, files, stages, stop_stage, stop_n, split)
 
@@ -123,9 +125,12 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
                                 "adapter": o.get("teacher_adapter"), **common}),
         "tune": ("tune", {"model": o["student"], "data": store.child_uri(TUNE_DATA), "weights": o.get("weights"),
                           "engine": o["engine"], "seed": o["seed"], "steps": o.get("steps"), "epochs": o["epochs"],
-                          "rank": o["rank"], "lr": o["lr"], "warmup": o["warmup"], "targets": o["targets"]}),
+                          "rank": o["rank"], "lr": o["lr"], "warmup": o["warmup"], "targets": o["targets"],
+                          "val_fraction": o.get("val_fraction"), "early_stop": o.get("early_stop")}),
         "eval-tuned": ("eval", {"model": o["student"], "evals": f"{folder}/evals.jsonl", "weights": o.get("weights"),
-                                "adapter": store.child_uri("stages/tune/adapter"), "metric": o["metric"], "field": o.get("field"),
+                                # With a held-out split the tune keeps its best adapter by held-out loss: that one is scored.
+                                "adapter": store.child_uri("stages/tune/adapter/best" if o.get("val_fraction") else "stages/tune/adapter"),
+                                "metric": o["metric"], "field": o.get("field"),
                                 **common}),
     }
     for stage in stages:
@@ -145,7 +150,8 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
             store.write(TUNE_DATA, _tune_data(files, store))
         command, given = plans[stage]
         given = {**given, "state": store.child_uri(f"stages/{stage}"), "name": f"{o['name']}-{stage}",
-                 "stop_after": stop_n if stage == stop_stage else None, "grace_s": o.get("grace_s")}
+                 "stop_after": stop_n if stage == stop_stage else None, "grace_s": o.get("grace_s"),
+                 "max_stalled_starts": o.get("max_stalled_starts")}
         if sharded and stage in SPLIT:
             given.update(shards=split.count, shard=split.index)
         sub = resolve(command, given, headless=events.headless, debug=inv.debug, bundle=inv.bundle)
@@ -249,7 +255,11 @@ def _score(stage: str, summary: dict) -> dict:
         return {"examples": summary["examples"]}
     if stage.startswith("eval"):
         return {"accuracy": summary["accuracy"], "ci95": summary["ci95"], "rows": summary["rows"]}
-    return {"steps": summary["steps"], "first_loss": round(summary["first_loss"], 6), "final_loss": round(summary["final_loss"], 6)}
+    score = {"steps": summary["steps"], "first_loss": round(summary["first_loss"], 6), "final_loss": round(summary["final_loss"], 6)}
+    if summary.get("best_step") is not None:  # a held-out split: the adapter eval-tuned scores
+        score.update(best_step=summary["best_step"], best_val_loss=round(summary["best_val_loss"], 6),
+                     stopped_early=bool(summary.get("stopped_early")))
+    return score
 
 
 def table(scores: dict) -> str:

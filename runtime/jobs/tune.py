@@ -18,16 +18,18 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 from safetensors.numpy import save_file as st_save_file
 
 from runtime.models import gguf_write
-from runtime.models.lora import LoraSpec, init_tensors, save_adapter
+from runtime.models.lora import LoraSpec, base_record, init_tensors, save_adapter
+from runtime.jobs import init_adapter
 from runtime.data.train import BatchOrder, collate, load_train_data, rank_rows
+from runtime.data.validation import load_split
+from runtime.jobs.tune_val import Validation
 from runtime.engines import OptimSpec
 from runtime.engines.registry import get_engine
-from runtime.core.job import Job, Outcome
+from runtime.core.job import Job, Outcome, state_uri
 from runtime.engines.hardware import engine_rate
 from runtime.models.ref import resolve_model
 from runtime.base.signals import Abandon
@@ -40,8 +42,8 @@ from runtime.models.tokenizer import Tokenizer
 from runtime.base.threads import start_fields
 from runtime.base.allotment import cpus
 
-CHECKPOINT_TENSORS = "state.safetensors"
-CHECKPOINT_META = "meta.json"
+from runtime.jobs import tune_checkpoint
+from runtime.jobs.tune_checkpoint import CHECKPOINT_META, CHECKPOINT_TENSORS  # noqa: F401 (the checkpoint's file names)
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int, schedule: str) -> float:
@@ -58,10 +60,25 @@ def prepare(inv):
     a, o = inv.arguments, inv.options
     model_dir = resolve_model(a["model"], o.get("weights"))
     tokenizer = Tokenizer.from_dir(model_dir.path)
-    data = load_train_data(a["data"], tokenizer, o["max_seq"], bundle=inv.bundle)
+    val_data = None
+    if o.get("val_fraction"):
+        data, val_data = load_split(a["data"], tokenizer, o["max_seq"], o["val_fraction"], o["seed"], bundle=inv.bundle)
+    else:
+        data = load_train_data(a["data"], tokenizer, o["max_seq"], bundle=inv.bundle)
+        if o.get("val"):
+            val_data = load_train_data(o["val"], tokenizer, o["max_seq"], bundle=inv.bundle, what="validation data")
+    init = None
+    if o.get("init_adapter"):
+        # Checked against the base and the options before any state is touched; the job's rank,
+        # alpha and targets become the adapter's (so --emit-config and resume carry them).
+        init = init_adapter.load(o["init_adapter"], model_dir, o, own_state=state_uri(o))
+        o.update(rank=init.spec.rank, alpha=init.spec.alpha, targets=init.targets)
     spec = LoraSpec(rank=o["rank"], alpha=float(o["alpha"]), targets=tuple(t.strip() for t in o["targets"].split(",") if t.strip()),
                     dropout=o["dropout"])
-    tensors = init_tensors(model_dir.config, spec, o["seed"])  # validates --targets before any state is touched
+    if init is not None:
+        tensors = init.tensors
+    else:
+        tensors = init_tensors(model_dir.config, spec, o["seed"])  # validates --targets before any state is touched
     if o.get("out"):
         check_output(o["out"], directory=True)
     if o.get("gguf"):  # checked before training: an architecture or file GGUF cannot take fails now, not after the last step
@@ -75,12 +92,12 @@ def prepare(inv):
     # Sized before the state is opened: a job refused here leaves no state behind that would
     # refuse the corrected command (a shorter --max-seq is another job).
     plan = plan_tune(engine_name, engine, model_dir, spec, data, order, total, o)
-    return model_dir, tokenizer, data, spec, tensors, order, total, engine, plan
+    return model_dir, tokenizer, data, spec, tensors, order, total, engine, plan, val_data, init
 
 
 def plan_only(inv, events) -> Outcome:
     """`spillpack tune ... --plan`: the memory plan, without running."""
-    model_dir, _, data, _, _, _, total, engine, plan = prepare(inv)
+    model_dir, _, data, _, _, _, total, engine, plan, _, _ = prepare(inv)
     if events.headless:
         events.engine = engine.name
         events.emit("plan", steps=total, message=plan.describe(), candidates=plan.candidates(), **plan.to_dict())
@@ -97,7 +114,7 @@ def plan_only(inv, events) -> Outcome:
 
 def main(inv, events) -> Outcome:
     a, o = inv.arguments, inv.options
-    model_dir, tokenizer, data, spec, tensors, order, total, engine, plan = prepare(inv)
+    model_dir, tokenizer, data, spec, tensors, order, total, engine, plan, val_data, init = prepare(inv)
     identity = {
         "command": "tune",
         "model": model_dir.fingerprint(),
@@ -107,30 +124,44 @@ def main(inv, events) -> Outcome:
         **{k: o[k] for k in ("rank", "alpha", "targets", "dropout", "lr", "schedule", "warmup", "weight_decay",
                              "max_seq", "seed")},
     }
+    if init is not None:  # the adapter it starts from is part of the job (its tensors' hash)
+        identity["init_adapter"] = init.sha256
+    if val_data is not None:  # only then: a state written without validation keeps its identity
+        identity["val"] = {"sha256": val_data.sha256 if o.get("val") else None, "fraction": o.get("val_fraction"),
+                           "eval_every": o["eval_every"], "early_stop": o.get("early_stop")}
     with Job.open(inv, identity, events, upgrade=upgrade_identity) as job:
         if job.writer:
             job.state.log("plan", **plan.to_dict())
         job.open_engine(engine)
-        latest = job.state.checkpoints.latest(lambda c: checkpoint_agrees(job.state, c)) if job.writer else None
+        latest = job.state.checkpoints.latest(lambda c: tune_checkpoint.agrees(job.state, c)) if job.writer else None
         restored, abandoned = None, False
+        resume = init_adapter.resume_of(init, identity) if init is not None and latest is None and job.writer else None
         try:
             with job.preemption.setup():
                 session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]), o["seed"])
                 session.grad_checkpoint = plan.grad_checkpoint
                 session.pad_id = tokenizer.pad_token_id or 0
                 if latest is not None:
-                    restored = {"step": latest.step, "losses": restored_losses(job.state, latest), "uri": job.state.commit_uri(latest),
-                                "tensors": st_load(job.state.read_file(latest, CHECKPOINT_TENSORS))}
+                    restored = tune_checkpoint.read(job.state, latest)
         except Abandon:
             abandoned = True
         if job.agree(abandoned):
             return job.preempted(latest.step if latest else 0, abandoned_quantum=True)
+        if resume is not None and restored is None:
+            restored = {**resume, "from_init": True}  # SRC is a state of this same job: continue from its newest checkpoint
         if job.group is not None:  # only rank 0 reads the state: the others start from its checkpoint
             restored = job.group.from_writer(restored)
-        work = TuneWork(job, engine, session, data, order, total, o, identity, plan.micro_batch)
+        val = None
+        if val_data is not None:
+            val = Validation(val_data, o["eval_every"], o.get("early_stop"), plan.micro_batch, session.pad_id)
+        work = TuneWork(job, engine, session, data, order, total, o, identity, plan.micro_batch, val)
         if restored is not None:
             session.load(restored["tensors"], restored["step"])
             work.restore(restored["step"], restored["losses"])
+            if restored.get("from_init"):
+                work.committed = 0  # this state has none of it yet: its first commit writes it all, losses from step 1
+            if val is not None:
+                val.restore(restored.get("val"), restored["tensors"])
             job.restored(restored["step"], restored["uri"])
 
         tokens_per_step = sum(len(data.examples[i].ids) for i in order.step_examples(0))
@@ -147,13 +178,18 @@ def main(inv, events) -> Outcome:
         if stopped is not None:
             return stopped
         losses = work.losses
-        complete = work.done >= total
+        stopped_early = val is not None and val.stopped_early
+        complete = work.done >= total or stopped_early
         summary = {"steps": work.done, "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None}
+        if val is not None:
+            summary.update(best_step=val.best_step, best_val_loss=val.best_loss, evals=len(val.evals))
         if complete and job.writer:
-            summary["adapter"] = write_outputs(job, session, spec, model_dir, a["model"], losses, o)
+            summary["adapter"] = write_outputs(job, session, spec, model_dir, a["model"], losses, o, val)
+            if val is not None and val.best is not None:
+                summary["best_adapter"] = summary["adapter"].rstrip("/") + "/best"
             if o.get("gguf"):
                 summary["gguf"] = o["gguf"]
-        return job.done(work.done, complete, **summary)
+        return job.done(work.done, complete, stopped_early=stopped_early if val is not None else None, **summary)
 
 
 def upgrade_identity(old: dict, uri: str) -> dict:
@@ -175,8 +211,11 @@ class TuneWork:
     """The tune loop's quanta: one optimizer step each. A checkpoint holds the LoRA tensors, the
     AdamW moments and the losses so far; the data cursor is the step itself."""
 
-    def __init__(self, job, engine, session, data, order, total: int, o: dict, identity: dict, micro_batch: int):
+    def __init__(self, job, engine, session, data, order, total: int, o: dict, identity: dict, micro_batch: int, val=None):
         self.job, self.engine, self.session = job, engine, session
+        self.val = val  # a Validation, or None: its held-out pass is a quantum of its own, after the step that made it due
+        self._eval = False  # the quantum in flight is the held-out pass
+        self._val_dirty = False  # an eval settled since the last commit
         self.data, self.order, self.total, self.o, self.identity = data, order, total, o, identity
         self.micro_batch = micro_batch  # rows per forward/backward, from the memory plan
         self.done = self.committed = 0
@@ -189,10 +228,16 @@ class TuneWork:
         self.losses = list(losses)
 
     def remaining(self) -> bool:
+        if self.val is not None:
+            return (self.done < self.total or self.val.pending) and not self.val.stopped_early
         return self.done < self.total
 
     def quantum(self) -> None:
         self._t0 = time.perf_counter()
+        self._eval = self.val is not None and self.val.pending
+        if self._eval:
+            self.val.run(self.session)
+            return
         step = self.order.micro_batches(self.done, self.micro_batch)
         examples = self.data.examples
         # Every rank divides by the whole step's target count, so the ranks' gradients sum to the step's.
@@ -204,9 +249,23 @@ class TuneWork:
         self._result = self.session.forward_backward(batches, self._targets, self.done)
 
     def discard(self) -> None:
+        if self._eval:
+            self._eval = False  # still pending: it runs again after the resume
+            return
         self.session.discard()
 
     def settle(self) -> None:
+        if self._eval:
+            self._eval, self._val_dirty = False, True
+            fields = self.val.settle(self.done, self.session)
+            self.job.events.emit("eval", step=self.done, val_loss=round(fields["val_loss"], 6), tokens=fields["tokens"],
+                                 seconds=fields["seconds"], best_step=fields["best_step"],
+                                 best_val_loss=round(fields["best_val_loss"], 6), bad_evals=fields["bad_evals"],
+                                 stopped_early=fields["stopped_early"])
+            if self.job.writer:
+                self.job.state.log("eval", step=self.done, val_loss=fields["val_loss"], tokens=fields["tokens"],
+                                   seconds=fields["seconds"], best_step=fields["best_step"])
+            return
         o = self.o
         loss_sum, tokens = self._result
         if self.job.group is not None:
@@ -226,46 +285,45 @@ class TuneWork:
         eta = (sum(self._times) / len(self._times)) * (self.total - self.done)
         self.job.events.emit("step", step=self.done, steps=self.total, step_s=round(dt, 4), loss=round(loss, 6),
                              tokens_per_s=round(tokens / dt, 1), peak_mem_gb=round(self.engine.peak_mem_gb(), 3), eta_s=round(eta, 1))
+        if self.val is not None and self.val.due(self.done, self.total):
+            self.val.pending = True
 
     def commit_due(self) -> bool:
+        if self.val is not None:
+            if self.val.pending:  # commit after the pass, with its result
+                return False
+            if self.val.stopped_early:
+                return True
         return self.done % self.o["ckpt_every"] == 0 or self.done == self.total
 
     def commit(self) -> None:
-        if self.done == self.committed or not self.job.writer:
+        if (self.done == self.committed and not self._val_dirty) or not self.job.writer:
             return
-        blob = st_save(self.session.export())
-        meta = orjson.dumps({"step": self.done, "hyper": self.identity})
+        tensors = self.session.export()
+        meta = {"step": self.done, "hyper": self.identity}
+        if self.val is not None:
+            tensors.update(self.val.tensors())
+            meta["val"] = self.val.to_meta()
+        blob = st_save(tensors)
+        meta = orjson.dumps(meta)
         log = b"".join(orjson.dumps({"step": i + 1, "loss": self.losses[i]}) + b"\n" for i in range(self.committed, self.done))
         c, seconds = self.job.state.checkpoints.commit(self.done, {CHECKPOINT_TENSORS: blob, CHECKPOINT_META: meta}, log=log)
-        self.committed = self.done
+        self.committed, self._val_dirty = self.done, False
         self.job.checkpointed(self.done, self.job.state.commit_uri(c), seconds)
 
 
-def checkpoint_agrees(state, commit) -> bool:
-    """A checkpoint's record says the step its files hold, and its log has a loss for each step
-    before it: otherwise the record was edited (or written by something else) and is passed over.
-    Files whose bytes do not match the record are still the one line that says so (read_file)."""
-    meta = orjson.loads(state.read_file(commit, CHECKPOINT_META))
-    return (isinstance(commit.step, int) and isinstance(meta, dict) and meta.get("step", commit.step) == commit.step
-            and len(restored_losses(state, commit)) == commit.step)
-
-
-def restored_losses(state, latest) -> list[float]:
-    """The losses of steps 1..latest.step, from the state's log (or, in a state written before
-    the log, from the checkpoint's meta.json)."""
-    if not latest.log:
-        return orjson.loads(state.read_file(latest, CHECKPOINT_META)).get("losses", [])
-    records = [orjson.loads(line) for line in state.read_log(latest).splitlines() if line.strip()]
-    return [r["loss"] for r in records if r["step"] <= latest.step]
-
-
-def write_outputs(job, session, spec, model_dir, model_ref, losses, o) -> str:
+def write_outputs(job, session, spec, model_dir, model_ref, losses, o, val=None) -> str:
     """The adapter (PEFT + mlx-lm layouts), train_log.jsonl and, with --merge, merged weights:
-    under the state's adapter/ and in --out."""
+    under the state's adapter/ and in --out. With validation also best/ (the adapter of the
+    lowest held-out loss, the same two layouts) and val_log.jsonl (every eval)."""
     with tempfile.TemporaryDirectory(prefix="spillpack-adapter-") as tmp:
         out = Path(tmp) / "adapter"
-        save_adapter(out, session.adapter(), spec, model_ref, model_dir.config["num_hidden_layers"])
+        save_adapter(out, session.adapter(), spec, model_ref, model_dir.config["num_hidden_layers"], base_record(model_dir))
         (out / "train_log.jsonl").write_bytes(b"".join(orjson.dumps({"step": i + 1, "loss": l}) + b"\n" for i, l in enumerate(losses)))
+        if val is not None:
+            (out / "val_log.jsonl").write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in val.evals))
+            if val.best is not None:
+                save_adapter(out / "best", val.best, spec, model_ref, model_dir.config["num_hidden_layers"], base_record(model_dir))
         if o.get("merge") or o.get("gguf"):
             weights = session.merged_weights()
             if o.get("merge"):

@@ -23,6 +23,7 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 MLX_WEIGHTS = "adapters.safetensors"
 MLX_DIR = "mlx"
+BASE_RECORD = "base.json"  # the base an adapter was trained on: what --init-adapter checks (PEFT ignores the file)
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,45 @@ def init_tensors(config: dict, spec: LoraSpec, seed: int) -> dict[str, np.ndarra
     return out
 
 
-def save_adapter(directory: Path, tensors: dict[str, np.ndarray], spec: LoraSpec, base_model: str, num_layers: int) -> None:
-    """Both layouts into `directory` (PEFT at the top, mlx-lm under mlx/)."""
+def base_record(model_dir) -> dict:
+    """The facts of a base model an adapter records (BASE_RECORD): its architecture and sizes
+    from config.json, and its weights' hash (runtime.models.ref.ModelDir.fingerprint)."""
+    c = model_dir.config
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size")
+    return {**{k: c[k] for k in keys if k in c}, "architectures": c.get("architectures"), "weights_sha256": model_dir.fingerprint(),
+            "weights_sample_sha256": weights_sample(model_dir.path)}
+
+
+SAMPLES = 64  # per safetensors file
+SAMPLE_BYTES = 4096
+
+
+def weights_sample(path: Path) -> str:
+    """sha256 over config.json and, for each safetensors file, its name, size and SAMPLES evenly
+    spaced SAMPLE_BYTES pieces of it: unlike the fingerprint (headers only) it tells apart two
+    checkpoints of the same shapes with other values, at 256 KiB read per file."""
+    import hashlib
+
+    path = Path(path)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"\0{f.name}\0{size}\0".encode())
+        with f.open("rb") as fh:
+            for i in range(SAMPLES):
+                fh.seek(size * i // SAMPLES)
+                h.update(fh.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def save_adapter(directory: Path, tensors: dict[str, np.ndarray], spec: LoraSpec, base_model: str, num_layers: int,
+                 base: dict | None = None) -> None:
+    """Both layouts into `directory` (PEFT at the top, mlx-lm under mlx/); `base`: a base_record()."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    if base is not None:
+        (directory / BASE_RECORD).write_text(json.dumps(base, indent=2, sort_keys=True) + "\n")
     save_file({PEFT_PREFIX + k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
               str(directory / PEFT_WEIGHTS), metadata={"format": "pt"})
     peft_config = {

@@ -25,9 +25,11 @@ def plot(told, path: str) -> None:
     for stage, state in told:
         command = (state.invocation() or {}).get("command")
         if command == "tune":
+            story = annotations(state)
             marks = [(a.get("step") if a["kind"] == "interrupted" else a.get("reached"), a["kind"])
-                     for a in annotations(state) if a["kind"] in ("interrupted", "hard_kill")]
-            curves.append((stage or "tune", losses(state), [(s, k) for s, k in marks if s]))
+                     for a in story if a["kind"] in ("interrupted", "hard_kill")]
+            curves.append((stage or "tune", losses(state), [(s, k) for s, k in marks if s],
+                           [(a["step"], a["val_loss"]) for a in story if a["kind"] == "eval"]))
         if command == "build" and stage is None:
             scores = {m.meta["stage"]: m.meta["score"] for m in state.markers("stage")}
     evals = {k: v for k, v in (scores or {}).items() if "accuracy" in v}
@@ -36,12 +38,14 @@ def plot(told, path: str) -> None:
     fig, axes = plt.subplots(1, bool(curves) + bool(evals), figsize=(6.5 * (bool(curves) + bool(evals)), 4), squeeze=False)
     if curves:
         ax = axes[0][0]
-        for label, ys, marks in curves:
+        for label, ys, marks, val in curves:
             ax.plot(range(1, len(ys) + 1), ys, label=f"{label} loss")
+            if val:  # the held-out loss at each eval
+                ax.plot([s for s, _ in val], [v for _, v in val], marker="o", label=f"{label} held-out loss")
             for step, kind in marks:
                 ax.axvline(step, color="tab:red", linestyle="--" if kind == "interrupted" else ":", linewidth=1)
         for kind, style in (("interrupted", "--"), ("hard_kill", ":")):
-            if any(k == kind for _, _, m in curves for _, k in m):
+            if any(k == kind for _, _, m, _ in curves for _, k in m):
                 ax.plot([], [], color="tab:red", linestyle=style, label=kind.replace("_", " "))
         ax.set_xlabel("step")
         ax.set_ylabel("loss")

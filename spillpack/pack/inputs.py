@@ -19,7 +19,7 @@ from runtime.models.gguf.model import is_gguf
 from runtime.models.ref import TAGS
 
 # Options whose value is a file or directory the job reads, by role.
-DATA_OPTIONS = ("data", "input", "evals", "prompts", "folder", "adapter")
+DATA_OPTIONS = ("data", "input", "evals", "prompts", "folder", "adapter", "init_adapter", "val")
 MODEL_OPTIONS = ("model", "teacher", "student")  # a tag, tiny, or a model directory
 WEIGHTS_OPTION = "weights"
 

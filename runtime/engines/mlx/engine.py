@@ -152,6 +152,26 @@ class MLXTrainSession:
             self.keys.tokens = None
         return loss_sum, tokens
 
+    def evaluate(self, micro_batches) -> tuple[float, int]:
+        """The summed cross-entropy and the target count of held-out rows: forward only, dropout
+        off; the loss in chunks of `loss_chunk` positions, as in training."""
+        was = self.model.training
+        self.model.train(False)
+        loss_sum, targets = 0.0, 0
+        try:
+            for ids, labels in micro_batches:
+                rows, cols = np.nonzero(labels != -100)
+                hidden = self.model.hidden_states(mx.array(ids))[mx.array(rows), mx.array(cols)]  # (N, D)
+                y = mx.array(labels[rows, cols])
+                for s in range(0, len(rows), self.loss_chunk):
+                    part = target_loss(self.model, hidden[s:s + self.loss_chunk], y[s:s + self.loss_chunk], self.loss_chunk)
+                    mx.eval(part)
+                    loss_sum += float(part)
+                targets += len(rows)
+        finally:
+            self.model.train(was)
+        return loss_sum, targets
+
     def apply(self, lr: float) -> None:
         """torch.optim.AdamW's update (amsgrad off), in the same order of operations; never interrupted."""
         b1, b2 = self.opt.betas

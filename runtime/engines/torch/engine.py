@@ -190,6 +190,27 @@ class TorchTrainSession:
             self.keys.tokens = None
         return loss_sum, tokens
 
+    def evaluate(self, micro_batches) -> tuple[float, int]:
+        """The summed cross-entropy and the target count of held-out rows: forward only, no
+        gradient, dropout off; the loss in chunks of `loss_chunk` positions, as in training."""
+        was = self.model.training
+        self.model.train(False)
+        loss_sum, targets = 0.0, 0
+        dev = self.engine.device
+        try:
+            with torch.no_grad():
+                for ids, labels in micro_batches:
+                    labels_t = torch.from_numpy(labels).to(dev)
+                    hidden = self.model.hidden_states(torch.from_numpy(ids).to(dev))  # (B, T, D)
+                    keep = labels_t != -100
+                    h, y = hidden[keep], labels_t[keep]  # (N, D), (N,)
+                    for s in range(0, y.shape[0], self.loss_chunk):
+                        loss_sum += float(target_loss(self.model, h[s:s + self.loss_chunk], y[s:s + self.loss_chunk], self.loss_chunk))
+                    targets += int(y.shape[0])
+        finally:
+            self.model.train(was)
+        return loss_sum, targets
+
     def _optimizer_state(self, p, step: float = 0.0, exp_avg=None, exp_avg_sq=None) -> None:
         """AdamW's state made here, as torch.optim.AdamW would lazily (step on the CPU, moments
         beside the parameter), so no tensor of it lands on torch's default device."""
