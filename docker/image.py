@@ -175,7 +175,10 @@ def torch_request(flavor: str, deps: list[str]) -> tuple[list[str], list[str]]:
     if version is None:
         raise Failure("pyproject.toml pins no torch version", "pin torch==X.Y.Z in pyproject.toml's dependencies")
     if flavor == "cpu":
-        return [f"torch=={version}+cpu"], ["--extra-index-url", os.environ.get("TORCH_INDEX", TORCH_CPU_INDEX)]
+        # TORCH_INDEX="" (set, empty): no extra index, for a site whose pip already finds the CPU
+        # build (a find-links folder, a mirror) and cannot reach PyTorch's index.
+        index = os.environ.get("TORCH_INDEX", TORCH_CPU_INDEX)
+        return [f"torch=={version}+cpu"], (["--extra-index-url", index] if index else [])
     # `===` is string equality: the CUDA build (PyPI's plain version), never a +cpu build that a
     # find-links folder or another index offers under the same version.
     index = os.environ.get("TORCH_INDEX")

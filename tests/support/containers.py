@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -103,10 +104,23 @@ def ensure_base() -> str:
         return BASE
 
 
+def torch_index_env() -> dict:
+    """TORCH_INDEX="" where PyTorch's index cannot be reached (these machines reach PyPI only, and
+    pip's own configuration finds the CPU build there): pip would otherwise retry it for every
+    package of the wheelhouse."""
+    if "TORCH_INDEX" in os.environ:
+        return {}
+    try:
+        socket.create_connection(("download.pytorch.org", 443), timeout=3).close()
+        return {}
+    except OSError:
+        return {"TORCH_INDEX": ""}
+
+
 def make_image(base: str, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`make image` as a user runs it (stdout and stderr captured)."""
     return subprocess.run(["make", "-s", "-C", str(REPO), "image", f"BASE={base}", f"PYTHON={sys.executable}", *extra],
-                          capture_output=True, text=True, env={**engine_env(), **(env or {})}, timeout=3600)
+                          capture_output=True, text=True, env={**engine_env(), **torch_index_env(), **(env or {})}, timeout=3600)
 
 
 def image_id(ref: str) -> str | None:
