@@ -61,7 +61,7 @@ def test_a_commit_record_naming_more_steps_than_its_log_is_passed_over(home, dat
     """The same class, the other way round: the record's step and meta.json agree, the log falls short."""
     from runtime.state.jobstate import JobState
     from runtime.state.uri import open_store
-    from runtime.jobs.tune import checkpoint_agrees
+    from runtime.jobs.tune_checkpoint import agrees as checkpoint_agrees
 
     state = tmp_path / "s"
     assert run_cli(["tune", "tiny", data, "--steps", "4", "--ckpt-every", "2", "--state", str(state)]).returncode == 0
