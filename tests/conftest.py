@@ -19,14 +19,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers share the cores: one torch thread per job, or jobs' threads wait on each other at
     # every op and a step runs many times slower (measured here: 0.1 s steps taking 5.8 s).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(autouse=True)
-def fixed_created(monkeypatch):
-    """`run`'s answers carry `created` (when a row was answered); tests that compare two jobs'
-    output bytes fix it, as SOURCE_DATE_EPOCH does for reproducible builds."""
-    if "SOURCE_DATE_EPOCH" not in os.environ:
-        monkeypatch.setenv("SOURCE_DATE_EPOCH", "1767225600")
+# `run`'s answers carry `created` (when a row was answered); tests compare two jobs' output bytes,
+# so it is fixed, as SOURCE_DATE_EPOCH does for reproducible builds (here, for module fixtures
+# too; a test of the clock unsets it).
+os.environ.setdefault("SOURCE_DATE_EPOCH", "1767225600")
 
 
 @pytest.fixture(autouse=True)

@@ -6,14 +6,16 @@ the CLI in subprocesses; the model checks also in-process where a subprocess add
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, clean_env, events_of, run_cli
-from tests.support.jobproc import signal_after, start
+from tests.support.jobproc import start
 from runtime.base.errors import SpillpackError
 
 CHAT = [{"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
@@ -244,10 +246,19 @@ def test_run_sh_through_a_symlink_finds_its_bundle(bundle, phome, tmp_path):
 # -- pack: SIGTERM, and a full disk -------------------------------------------------------------------------------
 
 
-def test_pack_stops_at_once_on_sigterm_and_leaves_nothing_at_o(phome, data, tmp_path):
+def test_pack_stops_at_once_on_sigterm_and_leaves_nothing_at_o(phome, tmp_path):
+    # 30 MB of rows: the bundle is being written (its staging folder .b.* exists) for a second
+    # or more, and the SIGTERM lands then, not before the pack began writing or after it ended.
+    data = tmp_path / "train.jsonl"
+    row = json.dumps({"messages": [{"role": "user", "content": "hi " * 200}, {"role": "assistant", "content": "yo " * 200}]})
+    data.write_text((row + "\n") * 24000)
     out = tmp_path / "b"
-    p = start(["pack", "tune", "tiny", data, "--steps", "3", "-o", str(out)])
-    signal_after(p, 1)
+    p = start(["pack", "tune", "tiny", str(data), "--steps", "3", "-o", str(out)])
+    t0 = time.monotonic()
+    while not [q for q in tmp_path.iterdir() if q.name.startswith(".b.")] and p.poll() is None and time.monotonic() - t0 < 300:
+        time.sleep(0.005)
+    assert p.poll() is None, p.stderr.read()
+    p.send_signal(signal.SIGTERM)
     rc = p.wait(timeout=90)
     err = p.stderr.read()
     assert rc == 75, err

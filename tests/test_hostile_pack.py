@@ -108,14 +108,16 @@ def test_hostile_names_survive_in_run_sh_sbatch_and_yaml_and_nothing_executes(ph
     head = text.split("\n\n")[0].splitlines()
     assert all(l.startswith("#") for l in head), head  # nothing but comments and directives before the code
 
-    # Kubernetes: strict schema validation and our checks; the command is the bundle's run.sh.
+    # Kubernetes: strict schema validation and our checks; the container is the bundle's image.
     kv = pytest.importorskip("kubernetes_validate")
     for kind in ("k8s-cpu", "k8s-cuda", "k8s-pvc"):
         doc = yaml.safe_load((out / f"{bundle.name}.{kind}.yaml").read_text())
         kv.validate(doc, "1.31.0", strict=True)
         assert kubernetes_problems(doc) == []
         if kind != "k8s-pvc":
-            assert doc["spec"]["template"]["spec"]["containers"][0]["command"] == ["sh", f"/work/{bundle.name}/run.sh"]
+            c = doc["spec"]["template"]["spec"]["containers"][0]
+            # the bundle's own image, whose entrypoint is its run.sh (docs/containers.md)
+            assert "command" not in c and "args" not in c and c["image"].rsplit(":", 1)[1] == kind.split("-")[1], c
 
     assert pwned(tmp_path) == []
 
@@ -178,7 +180,7 @@ def test_pack_build_packs_only_the_builds_own_files(phome, tmp_path):
     assert r.returncode == 0, r.stderr
     b = tmp_path / "b"
     packed = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
-    assert packed == ["MANIFEST.json", "files/data/evals.jsonl", "files/data/prompts.jsonl", "files/data/train.jsonl",
+    assert packed == ["Containerfile", "MANIFEST.json", "files/data/evals.jsonl", "files/data/prompts.jsonl", "files/data/train.jsonl",
                       "files/job.json", "run.sh", "spillpack.pyz"]
     manifest = json.loads((b / "MANIFEST.json").read_text())
     assert sorted(manifest["files"]) == [p for p in packed if p != "MANIFEST.json"]

@@ -127,7 +127,10 @@ def test_run_survives_sigterm_and_sigkill_in_a_row(home, tmp_path):
     story = run_cli(["status", state])
     assert story.returncode == 0
     told = events_of(story.stdout)
-    kinds = [e["kind"] for e in told if e["kind"] != "resume_promise"]  # the closing line on what a resume keeps
+    # the closing lines: how many starts, what a resume keeps
+    kinds = [e["kind"] for e in told if e["kind"] not in ("starts", "resume_promise")]
+    starts = next(e for e in told if e["kind"] == "starts")
+    assert starts["starts"] == len(codes) + 1 and starts["preemptions"] == codes.count(75) and starts["hard_kills"] == codes.count(-9)
     assert any(e["kind"] == "interrupted" and e["signal"] == "SIGTERM" for e in told)
     assert "hard_kill" in kinds
     assert kinds[-1] == "done" and kinds[kinds.index("process", len(kinds) - 1 - kinds[::-1].index("process")) + 1] == "resume"

@@ -67,8 +67,10 @@ def packed(tmp_path_factory, tiny_home):
 
 
 def job_env(home: Path, extra=None) -> dict:
-    """What sbatch exports to the job: a node's python3 with torch on PATH, and the cluster."""
-    return {"PATH": f"{VENV_BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home.parent), "SPILLPACK_HOME": str(home),
+    """What sbatch exports to the job: a node's python3 with torch on PATH, and the cluster; one
+    torch thread, so the reference and the preempted job (two jobs, each choosing its count from
+    the load it meets) split their sums alike."""
+    return {"SPILLPACK_THREADS": "1", "PATH": f"{VENV_BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home.parent), "SPILLPACK_HOME": str(home),
             "TMPDIR": "/tmp", "SLURM_CONF": str(cluster.conf_path()),
             "SPILLPACK_METADATA_URL": "http://127.0.0.1:9", **(extra or {})}
 

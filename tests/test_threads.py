@@ -88,3 +88,54 @@ def test_doctor_and_start_say_the_threads_and_why(home, tmp_path):
     r = run_cli(["doctor", "--no-measure"], env={"SPILLPACK_THREADS": "0", "OMP_NUM_THREADS": ""})
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == "spillpack: SPILLPACK_THREADS='0' is not a positive whole number of threads. Try: SPILLPACK_THREADS=2, or unset it"
+
+
+def test_a_resume_keeps_the_thread_count_its_state_records():
+    from runtime.base import threads
+
+    ran = [{"what": "open", "engine": "torch-cpu"}, {"what": "engine", "engine": "torch-cpu", "threads": 1},
+           {"what": "engine", "engine": "mlx"}]
+    try:
+        kept = threads.keep(ran, 4, {})
+        assert kept.count == 1 and kept.why.startswith("kept from this job's earlier starts") and threads.job_threads(4) == kept
+        assert threads.keep(ran, 4, {"SPILLPACK_THREADS": "3"}) is None  # the user's choice wins
+        assert threads.keep([{"what": "engine", "engine": "torch-cpu", "threads": 8}], 4, {}) is None  # fewer CPUs now
+        assert threads.keep([], 4, {}) is None and threads.job_threads(4) != kept  # a new job (a build's next stage) chooses
+    finally:
+        threads.keep([], 1, {})
+
+
+def test_a_tune_resumed_on_more_free_cpus_keeps_its_threads_and_its_bits(home, tmp_path):
+    """Stopped after running on 1 thread, resumed with nothing named on a machine with more CPUs:
+    it keeps 1 thread and ends bit-identical to an uninterrupted 1-thread run (another count
+    changes every tensor's last bits)."""
+    from safetensors.numpy import load_file
+
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs: on 1 the choice is 1 thread anyway")
+    tune = ["tune", "tiny", "examples/data/train.jsonl", "--steps", "6", "--batch", "2", "--engine", "torch-cpu"]
+    one = {"SPILLPACK_THREADS": "1", "OMP_NUM_THREADS": ""}
+    r = run_cli(tune + ["--state", str(tmp_path / "ref")], env=one)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(tune + ["--state", str(tmp_path / "s"), "--stop-after", "3"], env=one)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(tune + ["--state", str(tmp_path / "s")], env={"OMP_NUM_THREADS": ""})
+    assert r.returncode == 0, r.stderr
+    evs = events_of(r.stdout)
+    start = next(e for e in evs if e["event"] == "start")
+    assert start["threads"] == 1 and start["threads_why"].startswith("kept"), start
+    assert next(e for e in evs if e["event"] == "restore")["step"] == 3
+    got, want = (load_file(str(tmp_path / s / "adapter" / "adapter_model.safetensors")) for s in ("s", "ref"))
+    assert sorted(got) == sorted(want) and all((got[k] == want[k]).all() for k in got)
+
+
+def test_status_tells_a_resume_on_another_thread_count_within_tolerance():
+    from runtime.commands.story import resume_promise
+
+    p = {"engine": "torch-cpu", "device": "Xeon (x86_64)", "software": "torch 2.13.0", "dtype": "float32"}
+    same = resume_promise([{**p, "threads": 1, "first": 1, "last": 3}, {**p, "threads": 1, "first": 4, "last": 6}], "step")
+    assert same["promise"] == "bit-identical"
+    other = resume_promise([{**p, "threads": 1, "first": 1, "last": 3}, {**p, "threads": 2, "first": 4, "last": 6}], "step")
+    assert other["promise"] == "within tolerance" and other["why"].startswith("the CPU thread count changed"), other

@@ -83,7 +83,7 @@ def annotations(state: JobState, command: str | None = None) -> list[dict]:
         for r in recs:
             what, t = r["what"], r["time"]
             if what == "engine":
-                engines.append({k: r.get(k) for k in ("engine", "device", "software", "dtype")})
+                engines.append({k: r.get(k) for k in ("engine", "device", "software", "dtype", "threads") if k != "threads" or k in r})
                 out.append({"kind": "engine", "time": t, "process": proc, **engines[-1],
                             "text": f"  on {r.get('device')}, {r.get('software')}, {r.get('dtype')} base"})
             elif what == "plan":
@@ -197,13 +197,17 @@ def resume_promise(processes: list[dict], unit: str = "step") -> dict | None:
     ran = [p for p in processes if p.get("device")]
     if len(processes) < 2 or not ran:
         return None
-    key = lambda p: (p.get("engine"), p.get("device"), p.get("software"), p.get("dtype"))  # noqa: E731
+    # torch-cpu's thread count splits its sums (runtime.base.threads): part of what must match
+    key = lambda p: (p.get("engine"), p.get("device"), p.get("software"), p.get("dtype"), p.get("threads"))  # noqa: E731
     first = ran[0]
     other = next((p for p in ran[1:] if key(p) != key(first)), None)
     if other is None:
         return {"promise": "bit-identical", "why": f"every process ran {first.get('engine')} on {first.get('device')} "
                                                    f"with {first.get('software')} ({first.get('dtype')} base)"}
-    differs = [name for name, a, b in zip(("engine", "device", "software", "base dtype"), key(first), key(other)) if a != b]
+    differs = [name for name, a, b in zip(("engine", "device", "software", "base dtype", "CPU thread count"), key(first), key(other))
+               if a != b]
+    if "engine" in differs:  # threads are torch-cpu's: beside another engine they say nothing more
+        differs = [d for d in differs if d != "CPU thread count"]
     why = f"the {' and '.join(differs)} changed between processes: " + "; ".join(_ran_where(p, unit) for p in ran)
     fields = {"ran": [{k: p.get(k) for k in ("engine", "device", "software", "dtype", "first", "last")} for p in ran]}
     if unit == "row" and {p.get("engine") for p in ran} <= {"torch-cpu", "mlx"} and all(p.get("dtype") in FLOAT32 for p in ran):

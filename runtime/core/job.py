@@ -26,7 +26,8 @@ from typing import Protocol
 
 import orjson
 
-from runtime.base import place, ranks
+from runtime.base import place, ranks, threads
+from runtime.base.allotment import cpus
 from runtime.core import requeue
 from runtime.core.events import Events
 from runtime.core.notices import NoticeWatcher, start_watcher
@@ -145,6 +146,8 @@ class Job:
                 state = root.shards.shard(shard["shard"], shard)
                 state.open(**place.describe(engine_name), **start)
             root.save_invocation({**config, "options": {**config["options"], "state": uri}})
+            if engine_name == "torch-cpu":  # before the engine is made: a resume runs on the threads it ran on
+                threads.keep(state.history(), cpus().count)
             if inv.command != "build":  # a build's progress is its stages', each guarded as a job of its own
                 requeue.check(state, o.get("max_stalled_starts", requeue.DEFAULT_MAX_STALLED), settings,
                               "row" if inv.command in ("run", "eval", "distill") else "step")
@@ -158,6 +161,7 @@ class Job:
         with its device, software and base dtype in the history: a resume is bit-identical only
         where they match (`spillpack status` says which applied)."""
         engine = engine or get_engine(self.engine_name)
+        engine.fit_threads()  # made before the state was read (tune plans with it): the count a resume keeps
         if self.writer:  # rank 0 of a data-parallel group writes for all (its ranks share one device model)
             self.state.log("engine", **engine.describe())
         return engine

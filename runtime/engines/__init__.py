@@ -2,8 +2,10 @@
 
 `get_engine(name)` returns an object with:
     name, device
-    describe() -> dict                      device model, software versions, base dtype (the state's
-                                            history records it per process: what bit-identical needs)
+    describe() -> dict                      device model, software versions, base dtype, CPU threads (the
+                                            state's history records it per process: what bit-identical needs)
+    fit_threads()                           take up the thread count chosen for the job now (a resume keeps
+                                            its recorded one: runtime.base.threads.keep); mlx: nothing to do
     train_session(model_dir, spec, init_tensors, opt, seed) -> a session with
         forward_backward(micro_batches: list[(ids, labels[, places])], total_targets, step) -> (loss_sum, tokens)
             accumulates gradients; abandonable (it touches only the gradients). An entry may

@@ -108,14 +108,17 @@ SAMPLE_BYTES = 4096
 
 
 def weights_sample(path: Path) -> str:
-    """sha256 over config.json and, for each safetensors file, its name, size and SAMPLES evenly
-    spaced SAMPLE_BYTES pieces of it: unlike the fingerprint (headers only) it tells apart two
+    """sha256 over config.json and, for each safetensors file (or the one GGUF file), its name,
+    size and SAMPLES evenly spaced SAMPLE_BYTES pieces of it: unlike the fingerprint (headers only) it tells apart two
     checkpoints of the same shapes with other values, at 256 KiB read per file."""
     import hashlib
 
     path = Path(path)
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    for f in sorted(path.glob("*.safetensors")):
+    if path.is_file():  # a GGUF: its metadata and tensors are in the one file
+        h, files = hashlib.sha256(b"gguf"), [path]
+    else:
+        h, files = hashlib.sha256((path / "config.json").read_bytes()), sorted(path.glob("*.safetensors"))
+    for f in files:
         size = f.stat().st_size
         h.update(f"\0{f.name}\0{size}\0".encode())
         with f.open("rb") as fh:

@@ -233,6 +233,9 @@ class MLXEngine:
         self.device = mx.default_device()
         self.base_dtype = mx.bfloat16 if self.device == mx.gpu else mx.float32
 
+    def fit_threads(self) -> None:
+        """mlx picks its own threads (Metal, or its CPU backend's pool): nothing the job chooses."""
+
     def describe(self) -> dict:
         """Device model, software and base dtype, recorded per process in the state's history. On
         a CPU the device reads as torch-cpu's does, so a switch of engine on one machine is told

@@ -62,7 +62,9 @@ def describe(device: torch.device) -> dict:
         p = torch.cuda.get_device_properties(index)
         software = f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}"
         return {"device": f"{p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GB)", "software": software}
-    return {"device": f"{cpu_model()} ({platform.machine()})", "software": f"torch {torch.__version__}"}
+    # threads: a resume keeps the count (runtime.base.threads.keep), its sums split the same way
+    return {"device": f"{cpu_model()} ({platform.machine()})", "software": f"torch {torch.__version__}",
+            "threads": torch.get_num_threads()}
 
 
 class PeakMemory:

@@ -291,6 +291,10 @@ class TorchEngine:
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
 
+    def fit_threads(self) -> None:
+        if self.device.type == "cpu":
+            fit_threads(self.device)
+
     def describe(self) -> dict:
         """Device model, software and base dtype, recorded per process in the state's history."""
         return {**describe(self.device), "dtype": self.precision.name, "precision": self.precision.why}
