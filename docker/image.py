@@ -158,13 +158,18 @@ def build_app_wheel(dest: Path) -> Path:
         why = [l.strip() for l in r.stderr.splitlines() if l.strip().lower().startswith("error:")] or ["pip failed"]
         raise Failure(f"building spillpack's wheel failed ({why[0]})",
                       f"{sys.executable} -m pip wheel --no-deps {REPO}")
-    (wheel,) = dest.glob("spillpack-*.whl")
-    return wheel
+    wheels = sorted(dest.glob("spillpack-*.whl"), key=lambda p: p.stat().st_mtime)
+    if not wheels:
+        raise Failure(f"pip reported success but wrote no spillpack wheel into {dest}",
+                      f"{sys.executable} -m pip wheel --no-deps {REPO}")
+    return wheels[-1]  # the one just built (a copied wheelhouse may hold older ones)
 
 
 def requires(wheel: Path) -> list[str]:
     with zipfile.ZipFile(wheel) as z:
-        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = next((n for n in z.namelist() if n.endswith(".dist-info/METADATA")), None)
+        if meta is None:
+            raise Failure(f"{wheel} has no .dist-info/METADATA: not a wheel pip wrote", f"rm {wheel}, then make image again")
         msg = email.parser.Parser().parsestr(z.read(meta).decode())
     return sorted(r for r in msg.get_all("Requires-Dist") or [] if "extra ==" not in r)
 

@@ -97,3 +97,17 @@ def events_of(stdout: str) -> list[dict]:
     import json
 
     return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+def one_line(r, *expect: str, code=1, said: int = 0) -> str:
+    """A failure as the contract says: exit `code` (or one of them), one `spillpack: ... Try: ...`
+    line on stderr with each of `expect` in it, no traceback, no 'unexpected'. `said`: lines a
+    command prints before it fails (resume names the job it resumes)."""
+    codes = code if isinstance(code, tuple) else (code,)
+    assert r.returncode in codes, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()[said:]
+    assert len(lines) == 1 and lines[0].startswith("spillpack: ") and ". Try: " in lines[0], r.stderr
+    assert "unexpected" not in lines[0] and "Traceback" not in r.stderr, r.stderr
+    for text in expect:
+        assert text in lines[0], lines[0]
+    return lines[0]

@@ -55,17 +55,13 @@ def image(base):
 def docker_host(image):
     """podman system service for testcontainers; the reaper's image cannot be pulled here."""
     svc = ct.Service()
-    saved = {k: os.environ.get(k) for k in ("DOCKER_HOST", "TESTCONTAINERS_RYUK_DISABLED")}
-    os.environ.update(DOCKER_HOST=svc.url, TESTCONTAINERS_RYUK_DISABLED="true")
-    try:
-        yield svc.url
-    finally:
-        svc.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DOCKER_HOST", svc.url)
+        mp.setenv("TESTCONTAINERS_RYUK_DISABLED", "true")
+        try:
+            yield svc.url
+        finally:
+            svc.close()
 
 
 @pytest.fixture
@@ -93,6 +89,17 @@ def wait_exit(c, timeout=600) -> int:
 
 def stdout_of(c) -> str:
     return c.get_logs()[0].decode()
+
+
+def resume_to_the_end(image, volume) -> list[dict]:
+    """The same tune started again on the volume: it must end (exit 0); its events."""
+    again = container(image, *TUNE).with_volume_mapping(volume, "/data", "rw")
+    again.start()
+    try:
+        assert wait_exit(again) == 0, again.get_logs()[1].decode()
+        return ct.json_lines(stdout_of(again))
+    finally:
+        again.stop()
 
 
 def volume_path(volume: str) -> Path:
@@ -174,13 +181,7 @@ def test_sigterm_mid_tune_exits_75_and_resumes_bit_identical_to_the_host(docker_
     stopped = pre[0]["step"]
     assert 8 <= stopped < 30
 
-    again = container(image, *TUNE).with_volume_mapping(volume, "/data", "rw")
-    again.start()
-    try:
-        assert wait_exit(again) == 0, again.get_logs()[1].decode()
-        second = ct.json_lines(stdout_of(again))
-    finally:
-        again.stop()
+    second = resume_to_the_end(image, volume)
     restore = [e for e in second if e["event"] == "restore"]
     assert restore and restore[0]["step"] == stopped
     assert second[-1]["event"] == "done" and second[-1]["complete"]
@@ -228,13 +229,7 @@ def test_nproc_in_a_container_stops_every_worker_and_reaps_them(docker_host, ima
         c.stop()
     pre = [e for e in first if e["event"] == "preempted"]
     assert len(pre) == 1, first[-3:]
-    again = container(image, *TUNE).with_volume_mapping(volume, "/data", "rw")
-    again.start()
-    try:
-        assert wait_exit(again) == 0, again.get_logs()[1].decode()
-        second = ct.json_lines(stdout_of(again))
-    finally:
-        again.stop()
+    second = resume_to_the_end(image, volume)
     assert [e["step"] for e in second if e["event"] == "restore"] == [pre[0]["step"]]
     assert second[-1]["event"] == "done" and second[-1]["steps"] == 30
 

@@ -95,6 +95,12 @@ def test_missing_shape_key(tmp_path, home):
     assert "no llama.embedding_length key" in refused(path)
 
 
+@pytest.mark.parametrize("heads", [0, "two"])
+def test_a_head_count_that_is_no_count(tmp_path, home, heads):
+    path = write_minimal(tmp_path / "m.gguf", ensure_tiny(), head_count=heads)
+    assert "llama.attention.head_count must be a positive whole number" in refused(path)
+
+
 def test_unsupported_architecture(tmp_path, home):
     path = write_minimal(tmp_path / "m.gguf", ensure_tiny(), arch="falcon")
     msg = refused(path)

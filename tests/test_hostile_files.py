@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env, events_of, run_cli
+from conftest import REPO, clean_env, events_of, run_cli, one_line
 from tests.support.jobproc import start
 from runtime.base.errors import SpillpackError
 
@@ -27,16 +27,6 @@ def data(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
     return str(path)
-
-
-def one_line(r, *expect: str, code: int = 1) -> str:
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == code, r.stderr
-    assert len(lines) == 1 and lines[0].startswith("spillpack: ") and ". Try: " in lines[0], r.stderr
-    assert "unexpected" not in lines[0] and "Traceback" not in r.stderr, r.stderr
-    for text in expect:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture
@@ -107,6 +97,9 @@ def test_a_string_where_config_json_has_a_number_is_one_line_from_the_cli(model,
     "{% for i in range(1000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}",
     "{{ 'x' * 1000000000000 }}",
     "{% for i in range(60000) %}{{ 'y' * 2000 }}{% endfor %}",
+    "{{ ((10 ** 64) ** 64) ** 64 }}",  # each power within bounds, the result not
+    "{% set n = namespace(x=10 ** 60) %}{% for i in range(40) %}{% set n.x = n.x * n.x %}{% endfor %}{{ n.x % 7 }}",
+    "{{ 10.0 ** 400 }}",
 ])
 def test_a_chat_template_with_unbounded_work_is_the_one_line_refusal(model, template):
     from runtime.models.tokenizer import Tokenizer

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, events_of, run_cli
+from conftest import REPO, events_of, run_cli, one_line
 from tests.support.s3_fixtures import s3, s3_uri  # noqa: F401  (pytest fixtures)
 
 CHAT = [{"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
@@ -34,17 +34,6 @@ def jsonl(path: Path, rows) -> str:
 
 def tune(data, state, *extra, env=None, timeout=300):
     return run_cli(["tune", "tiny", str(data), "--steps", "2", "--state", str(state), *extra], env=env, timeout=timeout)
-
-
-def one_line(r, *expect: str) -> str:
-    """A failure as the contract says: exit 1, one line on stderr, no traceback, no 'unexpected'."""
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 1, r.stderr
-    assert len(lines) == 1 and lines[0].startswith("spillpack: ") and ". Try: " in lines[0], r.stderr
-    assert "unexpected" not in lines[0] and "Traceback" not in r.stderr, r.stderr
-    for text in expect:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 def steps_of(r) -> list[int]:

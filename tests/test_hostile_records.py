@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import events_of, run_cli
+from conftest import events_of, run_cli, one_line
 
 CHAT = [{"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}
         for w in ("yes", "no", "maybe", "never", "always", "soon")]
@@ -20,16 +20,6 @@ def jsonl(path, rows) -> str:
 @pytest.fixture
 def data(tmp_path):
     return jsonl(tmp_path / "train.jsonl", CHAT)
-
-
-def one_line(r, *expect: str, code: int = 1) -> str:
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == code, r.stderr
-    assert len(lines) == 1 and lines[0].startswith("spillpack: ") and ". Try: " in lines[0], r.stderr
-    assert "unexpected" not in lines[0] and "Traceback" not in r.stderr, r.stderr
-    for text in expect:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 # -- a commit record whose step disagrees with its checkpoint ----------------------------------------

@@ -20,7 +20,21 @@ from tests.conftest import REPO, events_of
 TOKEN = "fake-imdsv2-token"
 
 
-class FakeMetadata:
+class Loopback:
+    """A real HTTP server on a free loopback port, serving `handler` from a thread."""
+
+    def serve(self, handler) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class FakeMetadata(Loopback):
     """AWS IMDSv2 and GCP metadata, as far as the notices are concerned. `flavor` picks
     which cloud it pretends to be; `notice` flips the answer."""
 
@@ -63,13 +77,7 @@ class FakeMetadata:
                     return self._send(200, b"TRUE" if outer.notice else b"FALSE", {"Metadata-Flavor": "Google"})
                 self._send(404)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.serve(Handler)
 
 
 @pytest.fixture
@@ -214,7 +222,7 @@ def test_tune_checkpoints_and_exits_75_on_a_notice(home, tmp_path, fake_metadata
 VM = "spot-vm-7"
 
 
-class FakeAzure:
+class FakeAzure(Loopback):
     """Azure's instance metadata as far as Scheduled Events go: the compute document, the
     events document (a Preempt for `resources` once `notice` is set), the StartRequests POST.
     `garbage` answers bytes that are not JSON; `hang` accepts and never answers."""
@@ -286,14 +294,7 @@ class FakeAzure:
                 outer.asked.append(f"PUT {self.path}")
                 self._send(404)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        self.serve(Handler)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 
 from runtime.base.errors import SpillpackError
 from runtime.jobs import shards
-from tests.conftest import REPO, events_of, run_cli
+from tests.conftest import REPO, events_of, one_line, run_cli
 
 EVALS = REPO / "examples/data/evals.jsonl"
 
@@ -26,15 +26,6 @@ def rows_file(path: Path, n: int, max_tokens: int = 8) -> Path:
 
 def snapshot(root: Path) -> dict:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def one_line_error(r, *needles, said: int = 0):
-    """`said`: lines a command prints before it fails (resume names the job it resumes)."""
-    assert r.returncode == 1, (r.returncode, r.stderr)
-    err = r.stderr.strip().splitlines()[said:]
-    assert len(err) == 1 and err[0].startswith("spillpack: ") and ". Try: " in err[0], r.stderr
-    for n in needles:
-        assert n in err[0], err[0]
 
 
 def test_plan_split_and_where_the_index_comes_from():
@@ -65,16 +56,16 @@ def test_bad_shard_input_is_one_line_and_writes_nothing(home, tmp_path):
     assert (state / "job.json").exists() and (state / "shards/1/job.json").exists()
     before = snapshot(state)
 
-    one_line_error(run_cli(base + ["--shards", "2", "--shard", "0"]), "shards is 3 there and 2 here")
-    one_line_error(run_cli(base), "shards is 3 there and None here")
-    one_line_error(run_cli(base + ["--shards", "3", "--shard", "3"]), "--shard 3 is out of range", "0 to 2")
-    one_line_error(run_cli(base + ["--shards", "3"], env={"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "1"}),
+    one_line(run_cli(base + ["--shards", "2", "--shard", "0"]), "shards is 3 there and 2 here")
+    one_line(run_cli(base), "shards is 3 there and None here")
+    one_line(run_cli(base + ["--shards", "3", "--shard", "3"]), "--shard 3 is out of range", "0 to 2")
+    one_line(run_cli(base + ["--shards", "3"], env={"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "1"}),
                    "shard 4 (from SLURM_ARRAY_TASK_ID=5) is out of range")
     other = rows_file(tmp_path / "other.jsonl", 5)
-    one_line_error(run_cli(["run", "tiny", str(other), "--state", str(state), "--max-tokens", "4", "--shards", "3", "--shard", "0"]),
+    one_line(run_cli(["run", "tiny", str(other), "--state", str(state), "--max-tokens", "4", "--shards", "3", "--shard", "0"]),
                    "holds a different job: input_sha256")
     # A shard's own state is claimed by its job: another job's shard there is refused as well.
-    one_line_error(run_cli(["run", "tiny", str(other), "--state", str(state / "shards/1"), "--max-tokens", "4"]),
+    one_line(run_cli(["run", "tiny", str(other), "--state", str(state / "shards/1"), "--max-tokens", "4"]),
                    "holds a different job")
     assert snapshot(state) == before
 
@@ -98,7 +89,7 @@ def test_shards_merge_equals_an_unsharded_run_and_resume_completes_a_cut_merge(h
     done0 = events_of(r0.stdout)[-1]
     assert done0["complete"] and done0["merged"] is False and done0["rows"] == 3 and not out.exists()
     only_merge = run_cli(["resume", str(state)])
-    one_line_error(only_merge, "shards 1, 2 of them are not finished", said=1)
+    one_line(only_merge, "shards 1, 2 of them are not finished", said=1)
     r2 = run_cli(args, env={"SLURM_ARRAY_TASK_ID": "12", "SLURM_ARRAY_TASK_MIN": "10"})
     assert r2.returncode == 0 and events_of(r2.stdout)[-1]["shard"] == 2, r2.stderr
     r1 = run_cli(args, env={"JOB_COMPLETION_INDEX": "1"})

@@ -62,7 +62,8 @@ def from_os_error(e: OSError) -> SpillpackError:
     elif e.errno == errno.EROFS:
         what, try_ = f"{where} is on a read-only file system", "a path on a writable disk"
     else:
-        what, try_ = f"cannot write {where}: {e.strerror}", f"ls -ld {folder}"
+        # Reads reach here too (a manifest, a blob, a model file): the operation is not known, the file is.
+        what, try_ = f"cannot use {where}: {e.strerror}", f"ls -ld {folder}"
     if str(where).startswith(home.rstrip("/") + "/") or str(where) == home:
         what, try_ = f"SPILLPACK_HOME {home} cannot be used: {what}", "export SPILLPACK_HOME=a directory you can write"
     return SpillpackError(what, try_)

@@ -15,6 +15,7 @@ import orjson
 from safetensors.numpy import load as st_load
 
 from runtime.base.errors import SpillpackError, UsageError
+from runtime.jobs.tune_checkpoint import agrees
 from runtime.models import gguf_write
 from runtime.models.lora import PEFT_CONFIG, PEFT_PREFIX, PEFT_WEIGHTS, LoraSpec
 from runtime.state.jobstate import JobState
@@ -48,7 +49,7 @@ def read_adapter(uri: str) -> tuple[dict, LoraSpec, dict, str]:
         spec = LoraSpec(rank=int(cfg.get("r", o["rank"])), alpha=float(cfg.get("lora_alpha", o["alpha"])),
                         targets=tuple(cfg.get("target_modules") or o["targets"].split(",")))
         return tensors, spec, inv, store.child_uri("adapter")
-    latest = state.checkpoints.latest()
+    latest = state.checkpoints.latest(lambda c: agrees(state, c))  # the checkpoint a resume of the tune would take
     if latest is None:
         raise SpillpackError(f"{uri} has no adapter yet: the tune has committed no checkpoint", f"spillpack resume {uri}")
     blob = st_load(state.read_file(latest, "state.safetensors"))

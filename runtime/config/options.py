@@ -21,6 +21,7 @@ from runtime.base.errors import SpillpackError
 METRICS = ("exact_match", "contains", "regex", "json_field")
 
 ENGINES = ("auto", *ENGINE_NAMES)
+DTYPES = ("auto", "float32", "bfloat16")  # the frozen base's (runtime/engines/torch/precision.py)
 GRAD_CHECKPOINT = ("auto", "on", "off")
 # A job name is one path component (it names SPILLPACK_HOME/jobs/NAME) from a safe alphabet.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -149,6 +150,9 @@ SHARED = (
     Opt("state", None, help="where the job keeps its state: a path, file:// or s3:// URI (default: SPILLPACK_HOME/jobs/NAME)", metavar="URI"),
     Opt("weights", None, help="where the model's weights are: a path, file:// or s3:// URI", metavar="URI"),
     Opt("engine", "auto", choices=ENGINES, per_run=True, help="mlx, torch-cuda or torch-cpu (default: chosen for this machine)"),
+    Opt("dtype", "auto", choices=DTYPES, per_run=True,
+        help="the frozen base's dtype: auto (float32 on a CPU, bfloat16 on a GPU that has it, float16 with loss scaling on "
+             "older ones), float32, or bfloat16 (faster where the CPU multiplies bfloat16 natively: AMX, AVX512-BF16)"),
     Opt("preemption_notice", "auto", choices=NOTICE_MODES, per_run=True,
         help="also stop (checkpoint, exit 75) on a cloud's spot notice in the instance metadata; auto finds AWS, GCP or Azure, if any"),
     Opt("grace_s", None, float, per_run=True, above=0, max=GRACE_MAX_S, metavar="SECONDS",

@@ -156,11 +156,11 @@ class Job:
         return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices, group,
                    root.uri if root is not None else uri, root=root if shard is not None else None)
 
-    def open_engine(self, engine=None):
+    def open_engine(self, engine=None, dtype: str | None = None):
         """This process's engine (made here, or given: tune makes it first to plan its memory),
         with its device, software and base dtype in the history: a resume is bit-identical only
         where they match (`spillpack status` says which applied)."""
-        engine = engine or get_engine(self.engine_name)
+        engine = engine or get_engine(self.engine_name, dtype)
         engine.fit_threads()  # made before the state was read (tune plans with it): the count a resume keeps
         if self.writer:  # rank 0 of a data-parallel group writes for all (its ranks share one device model)
             self.state.log("engine", **engine.describe())

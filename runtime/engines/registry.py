@@ -8,16 +8,22 @@ from __future__ import annotations
 from typing import Callable
 
 
-def get_engine(name: str, **kw):
-    """kw: the torch engine's device and base_dtype (tests and benchmarks run CUDA's arithmetic on a CPU)."""
+def get_engine(name: str, dtype: str | None = None, **kw):
+    """`dtype`: --dtype, the frozen base's ("auto" or None: the device's policy). kw: the torch
+    engine's device and base_dtype (tests and benchmarks run CUDA's arithmetic on a CPU)."""
+    asked = dtype if dtype not in (None, "auto") else None
     if name in ("torch-cpu", "torch-cuda"):
         from runtime.engines.torch.engine import TorchEngine
 
+        if asked is not None:
+            import torch
+
+            kw["base_dtype"] = getattr(torch, asked)
         return TorchEngine(name, **kw)
     if name == "mlx":
         from runtime.engines.mlx.engine import MLXEngine
 
-        return MLXEngine()
+        return MLXEngine(asked)
     raise ValueError(name)
 
 

@@ -116,7 +116,7 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
                 message=f"build {folder}: {' -> '.join(stages)} for {o['student']}"
                         + (" (prompts.jsonl unused: no --teacher)" if "prompts.jsonl" in files and "distill" not in stages else "")
                         + (f" ({len(scores)} done before)" if scores else "") + f"; state at {job.state.uri}")
-    common = {"engine": o["engine"], "batch": o["batch"], "max_tokens": o["max_tokens"], "seed": o["seed"]}
+    common = {"engine": o["engine"], "dtype": o.get("dtype", "auto"), "batch": o["batch"], "max_tokens": o["max_tokens"], "seed": o["seed"]}
     plans = {
         "eval-base": ("eval", {"model": o["student"], "evals": f"{folder}/evals.jsonl", "weights": o.get("weights"),
                                "metric": o["metric"], "field": o.get("field"), **common}),
@@ -124,7 +124,7 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
         "distill": ("distill", {"teacher": o.get("teacher") or o["student"], "prompts": f"{folder}/prompts.jsonl",
                                 "adapter": o.get("teacher_adapter"), **common}),
         "tune": ("tune", {"model": o["student"], "data": store.child_uri(TUNE_DATA), "weights": o.get("weights"),
-                          "engine": o["engine"], "seed": o["seed"], "steps": o.get("steps"), "epochs": o["epochs"],
+                          "engine": o["engine"], "dtype": o.get("dtype", "auto"), "seed": o["seed"], "steps": o.get("steps"), "epochs": o["epochs"],
                           "rank": o["rank"], "lr": o["lr"], "warmup": o["warmup"], "targets": o["targets"],
                           "val_fraction": o.get("val_fraction"), "early_stop": o.get("early_stop")}),
         "eval-tuned": ("eval", {"model": o["student"], "evals": f"{folder}/evals.jsonl", "weights": o.get("weights"),

@@ -24,13 +24,10 @@ from safetensors.numpy import load as st_load
 
 from runtime.base.errors import SpillpackError
 from runtime.base.fileio import sha256_bytes
-from runtime.models.lora import (BASE_RECORD, MLX_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS, LoraSpec, base_record, load_adapter,
+from runtime.models.lora import (BASE_KEYS, BASE_RECORD, MLX_WEIGHTS, PEFT_CONFIG, PEFT_WEIGHTS, LoraSpec, base_record, load_adapter,
                                  target_linears)
 from runtime.state.uri import open_store
 
-# The base's facts an adapter may record, compared in this order.
-BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "vocab_size")
 
 
 @dataclass
@@ -159,7 +156,13 @@ def _from_mlx(src: str, store, cfg: dict, model_dir) -> InitAdapter:
             raise SpillpackError(f"--init-adapter {src}: tensor {k} is not a LoRA lora_a or lora_b", "an mlx-lm LoRA adapter")
     if not tensors:
         raise SpillpackError(f"--init-adapter {src}: {MLX_WEIGHTS} holds no tensor", f"ls -l {src}")
-    rank = int(params.get("rank") or next(v.shape[0] for k, v in tensors.items() if k.endswith("lora_A.weight")))
+    ranks = [v.shape[0] for k, v in tensors.items() if k.endswith("lora_A.weight")]
+    if not ranks:
+        raise SpillpackError(f"--init-adapter {src}: {MLX_WEIGHTS} has lora_b tensors but no lora_a", "an mlx-lm LoRA adapter with both halves")
+    rank = params.get("rank") or ranks[0]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise SpillpackError(f"--init-adapter {src}: lora_parameters.rank must be a positive whole number, not {repr(rank)[:40]}",
+                             f"fix adapter_config.json in {src}")
     alpha = float(params.get("scale", 20.0)) * rank  # mlx-lm's default scale is 20
     spec = LoraSpec(rank, alpha, _targets_of(tensors))
     return InitAdapter(tensors, spec, _digest(tensors, spec), "mlx-lm")
@@ -181,7 +184,7 @@ def _from_state(src: str, store, model_dir) -> InitAdapter:
     record = store.read("adapter/" + BASE_RECORD)  # a finished tune's adapter records its base
     if record is not None:
         check_base(src, _json(store, "adapter/" + BASE_RECORD, src), base_record(model_dir))
-    latest = state.checkpoints.latest()
+    latest = state.checkpoints.latest(lambda c: tune_checkpoint.agrees(state, c))  # the one tune itself would resume from
     if latest is None:
         raise SpillpackError(f"--init-adapter {src} is a tune state with no committed checkpoint yet", f"spillpack status {src}")
     resume = {"identity": theirs, **tune_checkpoint.read(state, latest)}
@@ -244,9 +247,3 @@ def check_options(src: str, spec: LoraSpec, o: dict) -> None:
         if named != spec.targets:
             raise SpillpackError(f"--targets {o['targets']} conflicts with --init-adapter {src}, which adapts "
                                  f"{','.join(spec.targets)}", "the same command without --targets")
-
-
-def describe(adapter: InitAdapter) -> dict:
-    return {"kind": adapter.kind, "sha256": adapter.sha256, "rank": adapter.spec.rank, "alpha": adapter.spec.alpha,
-            "targets": ",".join(adapter.spec.targets)}
-

@@ -135,7 +135,7 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     generating = work.todo and (o.get("stop_after") is None or work.done < o["stop_after"])
     # The engine first, as a tune's: its dtype and what the process holds with torch imported
     # size the memory plan. Importing torch is never abandoned midway, a stop waits for it.
-    engine = job.open_engine() if generating else None
+    engine = job.open_engine(dtype=o.get("dtype")) if generating else None
     plan = plan_rows(job.engine_name, engine, model_dir, work.todo, o["batch"]) if generating else None
     events.emit("start", step=len(work.lines), job=o["name"], model=a[task.model_arg],
                 placement=f"{job.engine_name}: {job.engine_reason}", state=state.uri, estimated_seconds=est, total=total, **extra,

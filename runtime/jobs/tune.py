@@ -88,7 +88,7 @@ def prepare(inv):
     total = order.steps_for(o.get("steps"), o.get("epochs"))
     engine_name, reason = choose_engine(o.get("engine"))
     engine_rate(engine_name)  # measured (once per machine) before the engine starts counting its peak memory
-    engine = get_engine(engine_name)
+    engine = get_engine(engine_name, o.get("dtype"))
     # Sized before the state is opened: a job refused here leaves no state behind that would
     # refuse the corrected command (a shorter --max-seq is another job).
     plan = plan_tune(engine_name, engine, model_dir, spec, data, order, total, o)

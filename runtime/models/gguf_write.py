@@ -29,6 +29,7 @@ import numpy as np
 
 from runtime.base.errors import SpillpackError, UsageError
 from runtime.base.fileio import unlink
+from runtime.models.gguf.tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
 
 # spillpack model_type -> GGUF architecture. Mistral would be `llama` too, but llama.cpp's llama
 # ignores a sliding window, so it is left out rather than written wrong.
@@ -40,9 +41,8 @@ FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7}
 
 # The pre-tokenizer llama.cpp must use (tokenizer.ggml.pre), told by the split tokenizer.json
 # makes before its BPE: each regex (or structure) a family is known to use, and llama.cpp's name.
-_LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-PRE_TOKENIZERS = {("split", _LLAMA3_REGEX): "llama-bpe", ("split", _QWEN2_REGEX): "qwen2",
+# (The regexes are the reader's: runtime/models/gguf/tokenizer.py maps llama.cpp's names back to them.)
+PRE_TOKENIZERS = {("split", LLAMA3_SPLIT): "llama-bpe", ("split", QWEN2_SPLIT): "qwen2",
                   ("digits+bytelevel", None): "smollm", ("bytelevel", None): "gpt-2"}
 
 
@@ -328,15 +328,12 @@ def write_adapter(path: Path, tensors: dict[str, np.ndarray], alpha: float, conf
 def check_gguf_output(uri: str, flag: str, replace: bool = False) -> None:
     """Before any work: FILE can be written and, unless `replace` (a tune's own output, written
     again when the finished job is run again), is not there yet."""
-    from runtime.state.store import local_file
-    from runtime.state.uri import check_output, open_store
+    from runtime.state.uri import check_output, uri_exists
 
     check_output(uri, directory=False, flag=flag)
     if replace:
         return
-    path = local_file(uri)
-    exists = path.exists() if path is not None else open_store(uri.rpartition("/")[0]).read(uri.rpartition("/")[2]) is not None
-    if exists:
+    if uri_exists(uri):  # its size, not its bytes (an s3:// GGUF is gigabytes)
         raise UsageError(f"{flag} {uri} already exists", f"{flag} a new file, or rm {uri}")
 
 

@@ -93,13 +93,16 @@ def init_tensors(config: dict, spec: LoraSpec, seed: int) -> dict[str, np.ndarra
     return out
 
 
+# The base's facts an adapter records (and --init-adapter compares, in this order).
+BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "vocab_size")
+
+
 def base_record(model_dir) -> dict:
     """The facts of a base model an adapter records (BASE_RECORD): its architecture and sizes
     from config.json, and its weights' hash (runtime.models.ref.ModelDir.fingerprint)."""
     c = model_dir.config
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "vocab_size")
-    return {**{k: c[k] for k in keys if k in c}, "architectures": c.get("architectures"), "weights_sha256": model_dir.fingerprint(),
+    return {**{k: c[k] for k in BASE_KEYS if k in c}, "architectures": c.get("architectures"), "weights_sha256": model_dir.fingerprint(),
             "weights_sample_sha256": weights_sample(model_dir.path)}
 
 

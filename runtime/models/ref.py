@@ -199,7 +199,9 @@ def validate_gguf(path: Path, tag: Tag | None = None) -> ModelDir:
     from runtime.models.gguf.model import check
 
     config = check(path)
-    arch = architecture(config, str(path)).model_type
+    architecture_ = architecture(config, str(path))
+    arch = architecture_.model_type
+    check_model_config(architecture_.effective_config(config), architecture_.args, str(path))  # as a directory's config is
     # A GGUF holds Gemma 3's language model only, whichever size the tag names.
     if tag is not None and arch != tag.arch and {arch, tag.arch} != {"gemma3", "gemma3_text"}:
         raise SpillpackError(f"{path} holds a {arch} model, but the tag expects {tag.arch!r}",

@@ -4,7 +4,8 @@ method that reaches outside the data), plus bounds on what the sandbox leaves un
 - range(): all the calls of one render together yield at most `range_budget` items, so
   nested loops cannot multiply their way to hours;
 - `*` and `**` on text, lists or numbers: a result beyond the output bound is refused before
-  it is built;
+  it is built (a whole number past INT_BITS: Python prints no more than 4300 digits of one
+  anyway, and squaring past it is where the time goes; a float that overflows);
 - the output: rendered as a stream and stopped once it passes `output_max` characters.
 
 Each is a SecurityError, a TemplateError, so it reaches the user as the same one-line refusal
@@ -17,6 +18,9 @@ import operator
 
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+INT_BITS = 1 << 16  # about 19,700 decimal digits
 
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -36,10 +40,17 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return r
 
     def call_binop(self, context, operator_: str, left, right):
+        whole = isinstance(left, int) and isinstance(right, int) and not isinstance(left, bool) and not isinstance(right, bool)
+        too_big = SecurityError(f"the template computes a whole number of more than {INT_BITS} bits")
         if operator_ == "**":
-            if isinstance(left, (int, float)) and isinstance(right, (int, float)) and abs(right) > 64 and abs(left) > 1:
-                raise SecurityError(f"the template raises a number to the power {right}")
-            return operator.pow(left, right)
+            if whole and right > 0 and max(left.bit_length(), 1) * right > INT_BITS:
+                raise too_big
+            try:
+                return operator.pow(left, right)
+            except OverflowError:  # a float past 1.8e308
+                raise too_big from None
+        if whole and left.bit_length() + right.bit_length() > INT_BITS:
+            raise too_big
         for seq, n in ((left, right), (right, left)):
             if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * max(n, 0) > self.output_max:
                 raise SecurityError(f"the template repeats a value {n} times, past the {self.output_max} characters a render may write")

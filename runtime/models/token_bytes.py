@@ -12,17 +12,21 @@ from __future__ import annotations
 import json
 
 
-def _gpt2_byte_decoder() -> dict[str, int]:
-    # GPT-2's bytes_to_unicode, inverted: printable bytes stand for themselves, the rest are
-    # shifted to code points from 256 on.
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    codes, n = printable[:], 0
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level alphabet): printable bytes stand
+    for themselves, the rest are shifted to code points from 256 on."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
     for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + n)
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
             n += 1
-    return {chr(c): b for b, c in zip(printable, codes)}
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _is_byte_level(spec: dict) -> bool:

@@ -217,10 +217,11 @@ def sentencepiece_tokenizer() -> dict:
 
 
 def write_minimal(path: Path, tiny_dir: Path, *, arch: str = "llama", drop_keys=(), qtype: str = "F32",
-                  tokenizer: dict | None = None) -> Path:
+                  tokenizer: dict | None = None, head_count=2) -> Path:
     """A one-layer llama-shaped GGUF from numpy alone (no transformers): the file the bad-input
     tests start from. `drop_keys` leaves metadata out; `qtype` is the type of the 2-D weights;
-    `tokenizer` (sentencepiece_tokenizer()) replaces tiny's byte-level BPE."""
+    `tokenizer` (sentencepiece_tokenizer()) replaces tiny's byte-level BPE; `head_count`: the
+    metadata's (a hostile one: 0, or a string)."""
     import gguf
 
     tk = tokenizer or _tiny_tokenizer(tiny_dir)
@@ -229,7 +230,8 @@ def write_minimal(path: Path, tiny_dir: Path, *, arch: str = "llama", drop_keys=
     keys = {
         "context_length": lambda: w.add_context_length(256), "embedding_length": lambda: w.add_embedding_length(d),
         "block_count": lambda: w.add_block_count(1), "feed_forward_length": lambda: w.add_feed_forward_length(inter),
-        "head_count": lambda: w.add_head_count(heads), "head_count_kv": lambda: w.add_head_count_kv(heads),
+        "head_count": lambda: (w.add_head_count(head_count) if isinstance(head_count, int)
+                               else w.add_string(f"{arch}.attention.head_count", head_count)), "head_count_kv": lambda: w.add_head_count_kv(heads),
         "rms_eps": lambda: w.add_layer_norm_rms_eps(1e-6), "tokenizer.ggml.model": lambda: w.add_tokenizer_model(tk.get("model", "gpt2")),
         "tokenizer.ggml.tokens": lambda: w.add_token_list(tk["tokens"]),
         "tokenizer.ggml.token_type": lambda: w.add_token_types(tk["types"]),

@@ -77,21 +77,17 @@ def s3():
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    saved = {k: os.environ.get(k) for k in (*AWS_ENV, *AWS_CLEARED, "AWS_ENDPOINT_URL")}
-    for k in AWS_CLEARED:
-        os.environ.pop(k, None)
-    os.environ.update(AWS_ENV, AWS_ENDPOINT_URL=endpoint)
-    client = boto3.session.Session().client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    try:
-        yield S3Server(endpoint, port, BUCKET, client)
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:  # a session's environment, given back as it was
+        for k in AWS_CLEARED:
+            mp.delenv(k, raising=False)
+        for k, v in {**AWS_ENV, "AWS_ENDPOINT_URL": endpoint}.items():
+            mp.setenv(k, v)
+        client = boto3.session.Session().client("s3")
+        client.create_bucket(Bucket=BUCKET)
+        try:
+            yield S3Server(endpoint, port, BUCKET, client)
+        finally:
+            server.stop()
 
 
 @pytest.fixture

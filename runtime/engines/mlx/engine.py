@@ -229,9 +229,10 @@ class MLXTrainSession:
 class MLXEngine:
     name = "mlx"
 
-    def __init__(self):
+    def __init__(self, dtype: str | None = None):
+        """`dtype`: "float32" or "bfloat16" asked for; else bfloat16 on a GPU, float32 on a CPU."""
         self.device = mx.default_device()
-        self.base_dtype = mx.bfloat16 if self.device == mx.gpu else mx.float32
+        self.base_dtype = getattr(mx, dtype) if dtype else mx.bfloat16 if self.device == mx.gpu else mx.float32
 
     def fit_threads(self) -> None:
         """mlx picks its own threads (Metal, or its CPU backend's pool): nothing the job chooses."""

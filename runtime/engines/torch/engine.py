@@ -204,8 +204,7 @@ class TorchTrainSession:
                     hidden = self.model.hidden_states(torch.from_numpy(ids).to(dev))  # (B, T, D)
                     keep = labels_t != -100
                     h, y = hidden[keep], labels_t[keep]  # (N, D), (N,)
-                    for s in range(0, y.shape[0], self.loss_chunk):
-                        loss_sum += float(target_loss(self.model, h[s:s + self.loss_chunk], y[s:s + self.loss_chunk], self.loss_chunk))
+                    loss_sum += float(target_loss(self.model, h, y, self.loss_chunk))  # chunked inside, no graph kept
                     targets += int(y.shape[0])
         finally:
             self.model.train(was)

@@ -47,7 +47,7 @@ def precision_for(device_type: str, capability: tuple[int, int] | None = None) -
 
 def precision_of(dtype: torch.dtype) -> Precision:
     """The policy for a base dtype chosen by the caller (tests, benchmarks)."""
-    return Precision(dtype, dtype == torch.float16, f"{dtype} asked for")
+    return Precision(dtype, dtype == torch.float16, f"{str(dtype).removeprefix('torch.')} asked for")
 
 
 def device_precision(device: torch.device) -> Precision:

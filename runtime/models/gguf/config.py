@@ -60,6 +60,12 @@ def model_config(gf) -> dict:
     for key, target in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("padding_token_id", "pad_token_id")):
         if f"tokenizer.ggml.{key}" in md:
             config[target] = md[f"tokenizer.ggml.{key}"]
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size"):  # divided by below
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            gguf_key = next(k for k, t in _COMMON.items() if t == key)
+            raise SpillpackError(f"{gf.path}: the GGUF's {arch}.{gguf_key} must be a positive whole number, not {repr(value)[:40]}",
+                                 f"a complete GGUF (gguf-dump {gf.path.name} lists its keys)")
     if model_type == "qwen3_moe":
         config["norm_topk_prob"] = True  # llama.cpp's qwen3moe always renormalizes the top-k weights
     if model_type == "qwen2":
