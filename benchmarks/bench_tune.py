@@ -66,7 +66,7 @@ def spillpack_side(model: Path, data: Path, a) -> dict:
     state = Path(tempfile.mkdtemp(prefix="bench-tune-state-"))
     cmd = [sys.executable, "-m", "spillpack", "tune", str(model), str(data), "--steps", str(a.steps + 1), "--batch", str(a.batch),
            "--rank", str(a.rank), "--targets", a.targets, "--max-seq", str(a.max_seq), "--state", str(state), "--headless",
-           "--ckpt-every", "1000000"]
+           "--ckpt-every", "1000000", *(["--dtype", a.dtype] if a.dtype != "auto" else [])]  # older trees lack --dtype
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SPILLPACK_HEADLESS": "1"})
     wall = time.perf_counter() - t0
@@ -116,10 +116,11 @@ sys.path.insert(0, sys.argv[1])
 from runtime.data.train import BatchOrder, collate, load_train_data
 from runtime.models.tokenizer import Tokenizer
 model_path, data, steps, batch, rank, targets, max_seq = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7].split(","), int(sys.argv[8])
+dtype = getattr(torch, sys.argv[9])
 tok = Tokenizer.from_dir(model_path)
 d = load_train_data(data, tok, max_seq)
 order = BatchOrder([len(e.ids) for e in d.examples], batch, 1, 0)
-model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
 model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0))
 model.train()
 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -143,7 +144,7 @@ def peer_side(model: Path, data: Path, a, threads: int | None = None) -> dict:
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
            **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     r = subprocess.run([sys.executable, "-c", PEER, str(REPO), str(model), str(data), str(a.steps + 1), str(a.batch), str(a.rank),
-                        a.targets, str(a.max_seq)], capture_output=True, text=True, env=env)
+                        a.targets, str(a.max_seq), "float32" if a.dtype == "auto" else a.dtype], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         sys.exit(r.stderr)
@@ -186,6 +187,8 @@ def main():
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     ap.add_argument("--max-seq", type=int, default=512)
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="the frozen base's dtype, both sides (auto: spillpack's choice, float32 on a CPU; PEFT float32)")
     ap.add_argument("--long-step", action="store_true", help="also measure SIGTERM during a step longer than 30 s")
     ap.add_argument("--long-batch", type=int, default=8)
     ap.add_argument("--long-accum", type=int, default=4)

@@ -45,7 +45,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: a worker that runs another module between keeps them
 def real(tmp_path_factory):
     """(GGUF path in a directory of its own, our ModelDir, transformers model, transformers tokenizer)."""
     d = tmp_path_factory.mktemp("smollm2")
@@ -55,7 +55,7 @@ def real(tmp_path_factory):
     return path, resolve_model(str(path)), hf, tok
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: a worker that runs another module between keeps them
 def ours(real):
     return get_engine("torch-cpu").load_model(real[1])
 
@@ -171,7 +171,7 @@ def eval_score(path, rows, state, adapter=None) -> float:
     return events_of(r.stdout)[-1]["accuracy"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: a worker that runs another module between keeps them
 def tuned(real, tmp_path_factory):
     """One uninterrupted tune of the real model on the example task, with the eval before and after."""
     path = real[0]

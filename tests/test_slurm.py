@@ -29,9 +29,11 @@ JOB = ["--steps", "400", "--batch", "1", "--max-seq", "96", "--ckpt-every", "25"
 VENV_BIN = str(Path(sys.executable).parent)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def slurm():
-    """A running cluster: reused if one is up (started by hand or by CI), else started and stopped here."""
+    """A running cluster: reused if one is up (started by hand or by CI), else started here and
+    stopped at the session's end. Session-wide: the Slurm modules (one xdist group, one worker)
+    share it, and a stop and restart between modules left sbatch facing a controller not yet up."""
     reason = cluster.why_unavailable()
     if reason and cluster.missing() and reason.startswith("Debian"):
         try:

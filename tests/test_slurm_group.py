@@ -71,6 +71,6 @@ def test_group_is_preempted_requeued_and_ends_as_one_process_does(slurm, packed,
     assert done["event"] == "done" and done["complete"] and done["steps"] == 300
     got = adapter(state)
     assert sorted(got) == sorted(reference)
-    for k in got:
-        np.testing.assert_allclose(got[k], reference[k], atol=1e-5, rtol=0, err_msg=k)
+    for k in got:  # the order of additions differs: docs/state.md's float32 tolerance, ||a - b|| <= 1e-4 ||b||
+        assert np.linalg.norm(got[k] - reference[k]) <= 1e-4 * np.linalg.norm(reference[k]), k
     assert [h["world"] for h in history(state) if h["what"] == "open"] == [2, 2]

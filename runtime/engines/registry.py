@@ -16,9 +16,7 @@ def get_engine(name: str, dtype: str | None = None, **kw):
         from runtime.engines.torch.engine import TorchEngine
 
         if asked is not None:
-            import torch
-
-            kw["base_dtype"] = getattr(torch, asked)
+            kw["base_dtype"] = asked  # by name: torch is the engine's to import
         return TorchEngine(name, **kw)
     if name == "mlx":
         from runtime.engines.mlx.engine import MLXEngine

@@ -119,8 +119,12 @@ class Writer:
 
     def __enter__(self) -> "Writer":
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp.mkdir()
-        return self
+        try:
+            self.tmp.mkdir()
+            return self
+        except BaseException:  # a stop (Abandon) right after mkdir: __exit__ would not run
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:

@@ -279,8 +279,9 @@ class TorchTrainSession:
 class TorchEngine:
     """`device` and `base_dtype` default to what the engine's name and the device call for."""
 
-    def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | None = None):
+    def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | str | None = None):
         self.name = name
+        base_dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) else base_dtype
         self.device = torch.device(device if device is not None else ("cuda" if name == "torch-cuda" else "cpu"))
         make_deterministic(self.device)  # before anything of this engine reaches the device
         if self.device.type == "cpu":
