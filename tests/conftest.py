@@ -111,3 +111,45 @@ def one_line(r, *expect: str, code=1, said: int = 0) -> str:
     for text in expect:
         assert text in lines[0], lines[0]
     return lines[0]
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """The Slurm tests' cluster (tests/slurm/cluster.py), one per worker process (defined here, not
+    in a test module, so two modules using it are one fixture). Reused if one is up (started by hand or by CI), else started here and
+    stopped by its last user. Every process that uses it holds a shared lock on one file for as
+    long as it does, so a worker never stops the cluster under another worker's jobs (the Slurm
+    modules are one xdist group, but a stop and restart between two users lost jobs before)."""
+    import fcntl
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("slurm_cluster", REPO / "tests/slurm/cluster.py")
+    cluster = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cluster)
+    reason = cluster.why_unavailable()
+    if reason and cluster.missing() and reason.startswith("Debian"):
+        try:
+            cluster.install()
+        except (OSError, subprocess.CalledProcessError) as e:
+            pytest.skip(f"Slurm packages could not be installed here: {e}")
+        reason = cluster.why_unavailable()
+    if reason:
+        pytest.skip(reason)
+    users = open("/tmp/spillpack-slurm-users.lock", "a+")
+    fcntl.flock(users, fcntl.LOCK_EX)  # one starter at a time
+    marker = Path("/tmp/spillpack-slurm-started-by-tests")
+    if not cluster.running():
+        cluster.start()
+        marker.touch()  # the last user stops it; a cluster started by hand or by CI is left running
+    fcntl.flock(users, fcntl.LOCK_SH)  # a user from here on
+    try:
+        yield cluster
+    finally:
+        try:
+            fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)  # only when no other process uses it
+            if marker.exists():
+                cluster.stop()
+                marker.unlink()
+        except BlockingIOError:
+            pass  # another worker still runs jobs on it: it stops the cluster when it is done
+        users.close()

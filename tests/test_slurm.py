@@ -6,6 +6,7 @@ the same appended log, and finished with the same adapter as an uninterrupted ru
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,27 +28,6 @@ _spec.loader.exec_module(cluster)
 # Long enough to be still running when the preemption lands, short enough for the suite.
 JOB = ["--steps", "400", "--batch", "1", "--max-seq", "96", "--ckpt-every", "25", "--lr", "1e-3", "--name", "mine"]
 VENV_BIN = str(Path(sys.executable).parent)
-
-
-@pytest.fixture(scope="session")
-def slurm():
-    """A running cluster: reused if one is up (started by hand or by CI), else started here and
-    stopped at the session's end. Session-wide: the Slurm modules (one xdist group, one worker)
-    share it, and a stop and restart between modules left sbatch facing a controller not yet up."""
-    reason = cluster.why_unavailable()
-    if reason and cluster.missing() and reason.startswith("Debian"):
-        try:
-            cluster.install()
-        except (OSError, subprocess.CalledProcessError) as e:
-            pytest.skip(f"Slurm packages could not be installed here: {e}")
-        reason = cluster.why_unavailable()
-    if reason:
-        pytest.skip(reason)
-    started = not cluster.running()
-    cluster.start()
-    yield cluster
-    if started:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +54,7 @@ def job_env(home: Path, extra=None) -> dict:
     the load it meets) split their sums alike."""
     return {"SPILLPACK_THREADS": "1", "PATH": f"{VENV_BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home.parent), "SPILLPACK_HOME": str(home),
             "TMPDIR": "/tmp", "SLURM_CONF": str(cluster.conf_path()),
-            "SPILLPACK_METADATA_URL": "http://127.0.0.1:9", **(extra or {})}
+            "SPILLPACK_METADATA_URL": "http://127.0.0.1:9", "SOURCE_DATE_EPOCH": os.environ["SOURCE_DATE_EPOCH"], **(extra or {})}
 
 
 def sbatch(args, cwd, env) -> str:

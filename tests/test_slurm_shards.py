@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from conftest import REPO, events_of, run_cli
-from test_slurm import in_queue, job_env, log_events, sbatch, slurm, wait_for  # noqa: F401  (slurm: the cluster fixture)
+from test_slurm import in_queue, job_env, log_events, sbatch, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one cluster: one worker
 
@@ -28,7 +28,7 @@ def packed(tmp_path_factory, tiny_home):
     src.parent.mkdir()
     lines = [json.loads(x) for x in (REPO / "examples/data/evals.jsonl").read_text().splitlines()[:ROWS]]
     for i, x in enumerate(lines):
-        x["body"]["max_tokens"] = 24 + i % 5
+        x["body"]["max_tokens"] = 160 + i % 5  # rows long enough that two tasks are still running when the preemption lands
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     # One row at a time, committed at once: slow enough to be running when the preemption lands.
     r = run_cli(["pack", "run", "tiny", str(src), "--name", "rows", "--batch", "1", "--commit-rows", "1", "--shards", str(SHARDS),
