@@ -92,8 +92,12 @@ def bench_hf(path: Path, prompts, limits: list[int], batch: int, pad_id: int, eo
 
 
 def bench_spillpack(path: Path, prompts, limits: list[int], batch: int, eos):
-    from runtime.engines.registry import get_engine
-    from runtime.engines.generation import Request
+    try:
+        from runtime.engines.generation import Request
+        from runtime.engines.registry import get_engine
+    except ImportError:  # a tree from before the layering (benchmarks/compare.py runs this script on old revisions)
+        from runtime.engines import get_engine
+        from runtime.generation import Request
     from runtime.models.ref import resolve_model
     from runtime.models.tokenizer import Tokenizer
 
@@ -120,6 +124,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--stop", choices=["length", "mixed"], default="length")
     ap.add_argument("--threads", type=int, help="torch threads for both sides (default: torch's)")
+    ap.add_argument("--side", choices=["both", "spillpack"], default="both", help="spillpack only: benchmarks/compare.py")
+    ap.add_argument("--json", action="store_true", help="with --side spillpack: one JSON line")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -143,6 +149,9 @@ def main() -> None:
             rng = random.Random(1)
             limits, eos = [rng.randint(1, args.max_tokens) for _ in prompts], frozenset(tok.eos_token_ids)
         ours, t_ours = bench_spillpack(path, prompts, limits, args.batch, eos)
+        if args.side == "spillpack":
+            print(json.dumps({"tokens_per_s": sum(map(len, ours)) / t_ours, "seconds": t_ours, "threads": torch.get_num_threads()}))
+            return
         theirs, t_hf = bench_hf(path, prompts, limits, args.batch, tok.pad_token_id or 0, eos)
     n, gen_tokens = len(prompts), sum(map(len, ours))
     same = sum(a == b for a, b in zip(ours, theirs))
