@@ -163,7 +163,10 @@ def test_sharded_build_two_workers_wait_at_each_stage_and_score_as_one(home, tmp
     want = events_of(ref.stdout)[-1]["stages"]
     for out, err in results:
         assert events_of(out)[-1]["stages"] == want
-    assert "waiting for tune (shard 0 runs it)" in results[1][1]
+    # Only shard 0 trains; shard 1 waits for its marker (and says so, unless the tune was done by the
+    # time it got there: on a loaded machine it may be).
+    trained = [[e for e in events_of(out) if e["event"] == "step" and e.get("loss") is not None] for out, _ in results]
+    assert trained[0] and not trained[1], [len(t) for t in trained]
     for stage in ("eval-base", "eval-tuned"):
         for name in ("results.jsonl", "eval.json"):
             assert (tmp_path / "st/stages" / stage / name).read_bytes() == (tmp_path / "ref/stages" / stage / name).read_bytes()
