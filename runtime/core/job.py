@@ -146,11 +146,12 @@ class Job:
                 state = root.shards.shard(shard["shard"], shard)
                 state.open(**place.describe(engine_name), **start)
             root.save_invocation({**config, "options": {**config["options"], "state": uri}})
+            history = state.history()  # read once: the thread count and the requeue guard both need it
             if engine_name == "torch-cpu":  # before the engine is made: a resume runs on the threads it ran on
-                threads.keep(state.history(), cpus().count)
+                threads.keep(history, cpus().count)
             if inv.command != "build":  # a build's progress is its stages', each guarded as a job of its own
                 requeue.check(state, o.get("max_stalled_starts", requeue.DEFAULT_MAX_STALLED), settings,
-                              "row" if inv.command in ("run", "eval", "distill") else "step")
+                              "row" if inv.command in ("run", "eval", "distill") else "step", history)
         on_place = (lambda info: state.log("place", **info)) if state is not None else None
         notices = start_watcher(o.get("preemption_notice"), preemption, on_place=on_place)
         return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices, group,

@@ -102,12 +102,13 @@ def stalled(before: list[Start], settings: str | None) -> list[Start]:
     return out
 
 
-def check(state, limit: int | None, settings: str, unit: str = "step") -> None:
+def check(state, limit: int | None, settings: str, unit: str = "step", history: list[dict] | None = None) -> None:
     """Refuse to start when the `limit` starts before this one (the newest in `state`'s history)
-    made no progress in a row. 0 or None turns the guard off."""
+    made no progress in a row. 0 or None turns the guard off. `history`: the state's, when the
+    caller has read it already (each record is one object: on s3:// one GET)."""
     if not limit:
         return
-    history = state.history()
+    history = state.history() if history is None else history
     everyone = starts(history, state.progress())
     before = [s for s in everyone if s.writer != state.writer]
     streak = stalled(before, settings)
