@@ -264,13 +264,13 @@ def measured(cmd: list[str], env: dict, stdout=subprocess.PIPE) -> tuple[str, fl
 
 
 def run_spillpack(model: Path, rows: Path, batch: int, threads: int, max_tokens: int, isa: str | None, tmp: Path,
-                  label: str) -> dict:
+                  label: str, dtype: str = "auto") -> dict:
     state = tmp / f"state-{label}"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "SPILLPACK_HOME": str(tmp / "home"), "PYTHONPATH": str(ROOT)}
     if isa == "avx2":
         env.update(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
     cmd = [sys.executable, "-m", "spillpack", "run", str(model), str(rows), "--name", label, "--state", str(state),
-           "--batch", str(batch), "--max-tokens", str(max_tokens), "--engine", "torch-cpu", "--headless"]
+           "--batch", str(batch), "--max-tokens", str(max_tokens), "--engine", "torch-cpu", "--dtype", dtype, "--headless"]
     out, wall, peak = measured(cmd, env)
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     start = next(e for e in events if e["event"] == "start")
@@ -342,6 +342,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 32], help="spillpack's --batch (rows at once); one run each")
+    ap.add_argument("--dtype", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16"],
+                    help="spillpack's --dtype; one run each (auto: bfloat16 on a CPU with native bfloat16)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds, alternating the sides: a ratio per round")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native")
     ap.add_argument("--skip-f32", action="store_true", help="leave out llama.cpp on the f32 GGUF")
@@ -370,14 +372,15 @@ def main() -> int:
                 if f32 is not None:
                     runs.append(("llama.cpp", "F32", 1, lambda: run_llama(py, f32, prompts, args.threads, args.max_tokens)))
                 for b in args.batch:
-                    runs.append(("spillpack", ours_file, b, lambda b=b: run_spillpack(
-                        ours, rows, b, args.threads, args.max_tokens, None if args.isa == "native" else args.isa, tmp,
-                        f"r{n}-b{b}-{rnd}")))
+                    for d in args.dtype:
+                        runs.append(("spillpack", ours_file, b, lambda b=b, d=d: run_spillpack(
+                            ours, rows, b, args.threads, args.max_tokens, None if args.isa == "native" else args.isa, tmp,
+                            f"r{n}-b{b}-{d}-{rnd}", d)))
                 if rnd % 2:
                     runs.reverse()  # alternate which side runs first: drift in the machine's load falls on both
                 for side, file, b, fn in runs:
                     r = fn()
-                    r.update(rows=n, file=file, batch=b, round=rnd, uptime=uptime())
+                    r.update(rows=n, file=f"{file} ({r['dtype']})" if r.get("dtype") else file, batch=b, round=rnd, uptime=uptime())
                     print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items() if k != "completions"}),
                           flush=True)
                     results.append(r)
@@ -387,14 +390,15 @@ def main() -> int:
     for n in args.rows:
         ref = [r for r in results if r["rows"] == n and r["side"] == "llama.cpp" and r["file"] == "Q4_1"]
         for b in args.batch:
-            pairs = [(r, x) for r in results if r["rows"] == n and r["side"] == "spillpack" and r["batch"] == b
-                     for x in ref if x["round"] == r["round"]]
-            if not pairs:
-                continue
-            ratios = [r["tokens_per_s"] / x["tokens_per_s"] for r, x in pairs]
-            print(f"{n} rows, spillpack --batch {b} / llama.cpp Q4_1: tokens/s ratio per round "
-                  f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}); "
-                  f"same completion text {same_text(pairs[0][0]['completions'], pairs[0][1]['completions'])}")
+            for d in sorted({r["dtype"] for r in results if r["side"] == "spillpack"}):
+                pairs = [(r, x) for r in results if r["rows"] == n and r["side"] == "spillpack" and r["batch"] == b
+                         and r["dtype"] == d for x in ref if x["round"] == r["round"]]
+                if not pairs:
+                    continue
+                ratios = [r["tokens_per_s"] / x["tokens_per_s"] for r, x in pairs]
+                print(f"{n} rows, spillpack --batch {b} ({d}) / llama.cpp Q4_1: tokens/s ratio per round "
+                      f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}); "
+                      f"same completion text {same_text(pairs[0][0]['completions'], pairs[0][1]['completions'])}")
         f32_ref = [r for r in results if r["rows"] == n and r["side"] == "llama.cpp" and r["file"] == "F32"]
         sp = [r for r in results if r["rows"] == n and r["side"] == "spillpack"]
         if f32_ref and sp:

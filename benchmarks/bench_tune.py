@@ -81,7 +81,7 @@ def spillpack_side(model: Path, data: Path, a) -> dict:
     shutil.rmtree(state, ignore_errors=True)
     return {"tokens_per_s": tokens / seconds, "peak_rss_gb": max(e["peak_mem_gb"] for e in steps), "wall_s": wall,
             "checkpoint_s": ck[-1]["seconds"] if ck else None, "step_seconds": seconds, "rate_gflops": start.get("rate_gflops"),
-            "threads": start.get("threads")}
+            "threads": start.get("threads"), "dtype": start.get("dtype") or "float32"}  # older trees say none: float32
 
 
 def step_flops(model: Path, data: Path, a) -> float:
@@ -149,7 +149,7 @@ def peer_side(model: Path, data: Path, a, threads: int | None = None) -> dict:
     if r.returncode != 0:
         sys.exit(r.stderr)
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    return {**out, "wall_s": wall}
+    return {**out, "wall_s": wall, "dtype": "float32" if a.dtype == "auto" else a.dtype}
 
 
 def sigterm_long_step(model: Path, data: Path, a) -> dict:
@@ -188,7 +188,8 @@ def main():
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     ap.add_argument("--max-seq", type=int, default=512)
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                    help="the frozen base's dtype, both sides (auto: spillpack's choice, float32 on a CPU; PEFT float32)")
+                    help="the frozen base's dtype, both sides (auto: spillpack's own choice, bfloat16 on a CPU with native "
+                         "bfloat16 for models 512 or more wide, against PEFT in float32)")
     ap.add_argument("--long-step", action="store_true", help="also measure SIGTERM during a step longer than 30 s")
     ap.add_argument("--long-batch", type=int, default=8)
     ap.add_argument("--long-accum", type=int, default=4)
@@ -208,7 +209,7 @@ def main():
         return
     print(f"shape {a.shape}, batch {a.batch}, rank {a.rank}, targets {a.targets}, {a.steps} timed steps each", flush=True)
     ours = spillpack_side(model, data, a)
-    print(f"spillpack tune:        {ours['tokens_per_s']:9.1f} tokens/s  peak RSS {ours['peak_rss_gb']:.2f} GB  "
+    print(f"spillpack tune ({ours['dtype']}): {ours['tokens_per_s']:9.1f} tokens/s  peak RSS {ours['peak_rss_gb']:.2f} GB  "
           f"checkpoint commit {ours['checkpoint_s']} s", flush=True)
     if ours.get("rate_gflops"):
         gflops = step_flops(model, data, a) / ours["step_seconds"] / 1e9
@@ -216,7 +217,7 @@ def main():
         print(f"  a step's arithmetic: {gflops:.1f} GFLOP/s, {ours['rate_fraction']:.0%} of the engine's measured matmul rate "
               f"({ours['rate_gflops']} GFLOP/s, doctor's figure) with {ours['threads']} threads", flush=True)
     peer = peer_side(model, data, a, ours.get("threads"))
-    print(f"transformers + PEFT:   {peer['tokens_per_s']:9.1f} tokens/s  peak RSS {peer['peak_rss_gb']:.2f} GB", flush=True)
+    print(f"transformers + PEFT ({peer['dtype']}): {peer['tokens_per_s']:9.1f} tokens/s  peak RSS {peer['peak_rss_gb']:.2f} GB", flush=True)
     print(f"ratio: speed {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x, memory {ours['peak_rss_gb'] / peer['peak_rss_gb']:.2f}x "
           "(each side's own peak RSS, from getrusage in its process)")
     if a.json:

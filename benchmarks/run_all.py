@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -20,6 +21,11 @@ README = REPO / "README.md"
 START, END = "<!-- perf-table: written by `make bench` (benchmarks/run_all.py) -->", "<!-- /perf-table -->"
 TABLE_RUNS = {  # the table's rows: JSON-reporting benchmarks
     "tune tiny": ["bench_tune.py", "--shape", "tiny", "--steps", "20", "--json"],
+    # --dtype auto: spillpack's choice (bfloat16 on a CPU with native bfloat16) against PEFT in float32,
+    # then both sides in float32 and both in bfloat16 (the peer's base cast as ours is)
+    "tune 0.5B": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--json"],
+    "tune 0.5B float32": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--dtype", "float32", "--json"],
+    "tune 0.5B bfloat16": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--dtype", "bfloat16", "--json"],
     "run tiny mixed": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "mixed", "--threads", "1"],
     "run tiny length": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "length", "--threads", "1"],
     "shared cores": ["bench_shared.py", "--rounds", "1"],
@@ -29,7 +35,7 @@ OTHER_RUNS = [
     ["bench_pack.py"],
     ["bench_s3.py", "--mb", "128", "--repeat", "1"],
     # llama-cpp-python is built from its sdist on first use (cached under ~/.cache/spillpack-bench/)
-    ["bench_llamacpp.py", "--rows", "32", "--batch", "8", "32"],
+    ["bench_llamacpp.py", "--rows", "32", "128", "--batch", "32", "--skip-f32", "--json", "{llamacpp_json}"],
 ]
 
 
@@ -66,11 +72,17 @@ def machine() -> str:
 
 def rows(results: dict) -> list[str]:
     out = ["| workload | spillpack | peer, same run | ratio |", "|---|---|---|---|"]
-    t = results.get("tune tiny")
-    if t:
-        out.append(f"| `bench_tune.py --shape tiny --steps 20` | {t['spillpack']['tokens_per_s']:.0f} tokens/s, "
-                   f"{t['spillpack']['peak_rss_gb']:.2f} GB | transformers + PEFT {t['peer']['tokens_per_s']:.0f} tokens/s, "
-                   f"{t['peer']['peak_rss_gb']:.2f} GB | {t['speed_ratio']:.2f}x speed, {t['memory_ratio']:.2f}x memory |")
+    for key, label in (("tune tiny", "--shape tiny --steps 20"), ("tune 0.5B", "--shape qwen2.5-0.5b --batch 4 (dtype auto)"),
+                       ("tune 0.5B float32", "--shape qwen2.5-0.5b --batch 4 --dtype float32"),
+                       ("tune 0.5B bfloat16", "--shape qwen2.5-0.5b --batch 4 --dtype bfloat16")):
+        t = results.get(key)
+        if t:
+            sp, peer = t["spillpack"], t["peer"]
+            dtypes = f" ({sp.get('dtype', '?')} / {peer.get('dtype', '?')})"
+            out.append(f"| `bench_tune.py {label}`{dtypes} | {sp['tokens_per_s']:.1f} tokens/s, {sp['peak_rss_gb']:.2f} GB"
+                       + (f", {sp['rate_fraction']:.0%} of the measured matmul rate" if sp.get("rate_fraction") else "")
+                       + f" | transformers + PEFT {peer['tokens_per_s']:.1f} tokens/s, {peer['peak_rss_gb']:.2f} GB "
+                       f"| {t['speed_ratio']:.2f}x speed, {t['memory_ratio']:.2f}x memory |")
     for key in ("run tiny mixed", "run tiny length"):
         r = results.get(key)
         if r:
@@ -84,6 +96,16 @@ def rows(results: dict) -> list[str]:
                 k = s[kind]
                 out.append(f"| `bench_shared.py`: {kind} on tiny, one CPU held by a busy loop | default {k['default']:.1f} tokens/s | "
                            f"best setting ({k['best_setting']}) {k['best']:.1f} tokens/s | {k['ratio']:.2f}x of best |")
+    for r in (results.get("llama.cpp") or {}).get("results", []):
+        if r["side"] != "spillpack":
+            continue
+        ref = next((x for x in results["llama.cpp"]["results"] if x["side"] == "llama.cpp" and x["file"] == "Q4_1"
+                    and x["rows"] == r["rows"] and x["round"] == r["round"]), None)
+        if ref:
+            out.append(f"| `bench_llamacpp.py`: run SmolLM2-135M-Instruct Q4_1 GGUF, {r['rows']} rows, --batch {r['batch']} "
+                       f"({r.get('dtype')}) | {r['tokens_per_s']:.1f} tokens/s, {r['peak_rss'] / 2**20:.0f} MB | llama.cpp on the "
+                       f"same file, one stream: {ref['tokens_per_s']:.1f} tokens/s, {ref['peak_rss'] / 2**20:.0f} MB | "
+                       f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x speed, {r['peak_rss'] / ref['peak_rss']:.2f}x memory |")
     return out
 
 
@@ -111,9 +133,13 @@ def main() -> int:
             failed.append(args[0])
         else:
             results[name] = last_json(out)
-    for args in OTHER_RUNS:
-        if run(args) is None:
-            failed.append(args[0])
+    with tempfile.TemporaryDirectory() as tmp:
+        llamacpp_json = Path(tmp) / "llamacpp.json"
+        for args in OTHER_RUNS:
+            if run([a.format(llamacpp_json=llamacpp_json) for a in args]) is None:
+                failed.append(args[0])
+        if llamacpp_json.exists():
+            results["llama.cpp"] = json.loads(llamacpp_json.read_text())
     if "--no-readme" not in sys.argv and results:
         write_readme(results, load_before, os.getloadavg()[0])
     if failed:

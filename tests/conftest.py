@@ -23,6 +23,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # so it is fixed, as SOURCE_DATE_EPOCH does for reproducible builds (here, for module fixtures
 # too; a test of the clock unsets it).
 os.environ.setdefault("SOURCE_DATE_EPOCH", "1767225600")
+# The oracles the suite compares against (transformers' logits and generation, PEFT, earlier
+# runs' bytes) are float32, and `--dtype auto` picks bfloat16 for models 512 or more wide on a
+# CPU with native bfloat16 (the real SmolLM2 here). The tests of that policy unset this.
+os.environ.setdefault("SPILLPACK_DTYPE", "float32")
 
 
 @pytest.fixture(autouse=True)

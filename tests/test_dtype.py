@@ -69,3 +69,77 @@ def test_mlx_takes_the_dtype_asked_for():
 
     assert get_engine("mlx", "bfloat16").base_dtype == mx.bfloat16
     assert get_engine("mlx", "auto").describe()["dtype"] == ("bfloat16" if mx.default_device() == mx.gpu else "float32")
+
+
+# -- --dtype auto: the CPU's policy, SPILLPACK_DTYPE, and a resume keeping its dtype ---------------
+
+AUTO = {"SPILLPACK_DTYPE": ""}  # the suite pins float32 (conftest); these tests look at auto itself
+
+
+def test_the_cpu_policy_follows_native_bfloat16_and_the_models_width():
+    import torch
+
+    from runtime.engines.torch.precision import BF16_MIN_WIDTH, precision_for
+
+    assert precision_for("cpu", width=896, bf16_native="AMX").base == torch.bfloat16
+    assert precision_for("cpu", width=BF16_MIN_WIDTH, bf16_native="AVX512-BF16").base == torch.bfloat16
+    narrow = precision_for("cpu", width=64, bf16_native="AMX")
+    assert narrow.base == torch.float32 and "64 wide" in narrow.why
+    emulated = precision_for("cpu", width=896, bf16_native=None)
+    assert emulated.base == torch.float32 and "no native bfloat16" in emulated.why
+    assert precision_for("cpu", width=None, bf16_native="AMX").base == torch.float32  # no model: the safe choice
+
+
+def test_native_bfloat16_is_read_from_the_cpu_and_a_cap_on_its_instructions():
+    import torch
+
+    from runtime.engines.torch.precision import cpu_bf16_native
+
+    here = cpu_bf16_native({})
+    flags = torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx512_bf16_supported()
+    assert here == ("AMX" if flags[0] else "AVX512-BF16" if flags[1] else None)
+    assert cpu_bf16_native({"ONEDNN_MAX_CPU_ISA": "AVX2"}) is None  # oneDNN capped: bfloat16 emulated
+    if flags[0]:
+        assert cpu_bf16_native({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}) == ("AVX512-BF16" if flags[1] else None)
+
+
+def test_spillpack_dtype_stands_in_for_auto_and_a_bad_one_is_one_line(home, tmp_path):
+    from conftest import one_line
+    from runtime.engines.registry import base_dtype
+
+    assert base_dtype("auto", environ={"SPILLPACK_DTYPE": "bfloat16"})[0] == "bfloat16"
+    assert base_dtype("float32", environ={"SPILLPACK_DTYPE": "bfloat16"})[0] == "float32"  # --dtype wins
+    assert base_dtype("auto", "bfloat16", environ={})[0] == "bfloat16"  # kept from earlier starts
+    assert base_dtype("auto", "bfloat16", environ={"SPILLPACK_DTYPE": "float32"})[0] == "float32"
+    assert base_dtype(None, None, environ={}) == (None, None)  # the engine's policy
+    r = run_cli(TUNE + ["--state", str(tmp_path / "s")], env={"SPILLPACK_DTYPE": "float16"})
+    one_line(r, "SPILLPACK_DTYPE='float16'", "Try: SPILLPACK_DTYPE=float32")
+    assert not (tmp_path / "s").exists()
+    r = run_cli(TUNE + ["--state", str(tmp_path / "s")], env={"SPILLPACK_DTYPE": "bfloat16"})
+    assert r.returncode == 0, r.stderr
+    start = next(e for e in events_of(r.stdout) if e["event"] == "start")
+    assert (start["dtype"], start["dtype_why"]) == ("bfloat16", "bfloat16: SPILLPACK_DTYPE=bfloat16")
+
+
+def test_auto_keeps_the_dtype_a_job_began_with_and_its_resume_is_bit_identical(home, tmp_path):
+    """Begun on bfloat16, resumed with --dtype auto (which alone would pick float32 for tiny):
+    the resume keeps bfloat16 and ends byte-identical to an uninterrupted bfloat16 run."""
+    env = {**AUTO, "OMP_NUM_THREADS": "1"}
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    assert run_cli(TUNE + ["--dtype", "bfloat16", "--state", whole], env=env).returncode == 0
+    r = run_cli(TUNE + ["--dtype", "bfloat16", "--state", part, "--stop-after", "3"], env=env)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(TUNE + ["--state", part], env=env)
+    assert r.returncode == 0, r.stderr
+    start = next(e for e in events_of(r.stdout) if e["event"] == "start")
+    assert start["dtype"] == "bfloat16" and "kept from this job's earlier starts" in start["dtype_why"], start
+    adapter = "adapter/adapter_model.safetensors"
+    assert (tmp_path / "part" / adapter).read_bytes() == (tmp_path / "whole" / adapter).read_bytes()
+    story = events_of(run_cli(["status", part]).stdout)
+    assert [e["dtype"] for e in story if e["kind"] == "engine"] == ["bfloat16", "bfloat16"]
+    promise = next(e for e in story if e["kind"] == "resume_promise")
+    assert promise["promise"] == "bit-identical", promise
+    # A fresh job with auto on tiny (64 wide): float32, whatever the CPU.
+    r = run_cli(TUNE + ["--state", str(tmp_path / "fresh"), "--steps", "1"], env=env)
+    start = next(e for e in events_of(r.stdout) if e["event"] == "start")
+    assert start["dtype"] == "float32" and "float32" in start["dtype_why"], start

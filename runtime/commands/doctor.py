@@ -16,6 +16,22 @@ def add_arguments(p):
     p.add_argument("--no-measure", action="store_true", help="skip the short matmul and memory-bandwidth measurement")
 
 
+def cpu_dtype_policy(measure_rates: bool) -> dict:
+    """What torch-cpu's `--dtype auto` picks here (runtime/engines/torch/precision.py), and the
+    bfloat16 matmul rate where the CPU has it natively (remembered for bfloat16 jobs' estimates)."""
+    from runtime.engines.torch.precision import BF16_MIN_WIDTH, cpu_bf16_native
+
+    native = cpu_bf16_native()
+    out = {"bf16_native": native,
+           "dtype_auto": (f"bfloat16 for models {BF16_MIN_WIDTH} or more wide (native {native}), float32 below" if native
+                          else "float32 (this CPU has no native bfloat16 matmul)")}
+    if native and measure_rates:
+        rate = measure("torch-cpu", dtype="bfloat16")
+        remember_rate("torch-cpu", rate, "bfloat16")
+        out["bf16_matmul_gflops"] = rate["matmul_gflops"]
+    return out
+
+
 def report(engine: str = "auto", measure_rates: bool = True, cuda: CudaFacts | None = None) -> dict:
     """`cuda`: the facts torch-cuda is judged from (this machine's when not given)."""
     total, available = memory_gb()
@@ -34,6 +50,8 @@ def report(engine: str = "auto", measure_rates: bool = True, cuda: CudaFacts | N
             else:
                 engines[p.name].update(rate)
                 remember_rate(p.name, rate)  # later jobs' estimated_seconds use it
+        if p.name == "torch-cpu" and p.usable:
+            engines[p.name].update(cpu_dtype_policy(measure_rates))
     try:
         chosen, why = choose_engine(engine, cuda)
     except Exception as e:
@@ -85,6 +103,9 @@ def main(ns: dict, events) -> int:
         rate = (f" ({e['matmul_gflops']} GFLOP/s {e['matmul_dtype']} matmul, {e['mem_gbps']} GB/s memory)"
                 if "matmul_gflops" in e else "")
         lines.append(f"  {mark} {name:<11} {'usable' if e['usable'] else 'not usable'}: {e['detail']}{rate}")
+        if "dtype_auto" in e:
+            bf16 = f" (bfloat16 matmul {e['bf16_matmul_gflops']} GFLOP/s)" if "bf16_matmul_gflops" in e else ""
+            lines.append(f"    base dtype (--dtype auto): {e['dtype_auto']}{bf16}")
         if e.get("fix"):
             lines.append(f"    try: {e['fix']}")
     lines.append(f"a job here would use {r['engine']}: {r['engine_reason']}" if r["engine"] else f"no engine: {r['engine_reason']}")

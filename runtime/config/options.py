@@ -151,8 +151,9 @@ SHARED = (
     Opt("weights", None, help="where the model's weights are: a path, file:// or s3:// URI", metavar="URI"),
     Opt("engine", "auto", choices=ENGINES, per_run=True, help="mlx, torch-cuda or torch-cpu (default: chosen for this machine)"),
     Opt("dtype", "auto", choices=DTYPES, per_run=True,
-        help="the frozen base's dtype: auto (float32 on a CPU, bfloat16 on a GPU that has it, float16 with loss scaling on "
-             "older ones), float32, or bfloat16 (faster where the CPU multiplies bfloat16 natively: AMX, AVX512-BF16)"),
+        help="the frozen base's dtype: auto (SPILLPACK_DTYPE if set, else what this job ran before, else bfloat16 on a CPU "
+             "that multiplies it natively (AMX, AVX512-BF16) for models 512 or more wide and on a GPU that has it, float16 "
+             "with loss scaling on older GPUs, float32 otherwise), float32, or bfloat16"),
     Opt("preemption_notice", "auto", choices=NOTICE_MODES, per_run=True,
         help="also stop (checkpoint, exit 75) on a cloud's spot notice in the instance metadata; auto finds AWS, GCP or Azure, if any"),
     Opt("grace_s", None, float, per_run=True, above=0, max=GRACE_MAX_S, metavar="SECONDS",

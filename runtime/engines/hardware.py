@@ -82,18 +82,19 @@ def probe(name: str, cuda: CudaFacts | None = None) -> EngineProbe:
     raise ValueError(name)
 
 
-def measure(name: str, seconds: float = 1.0) -> dict:
+def measure(name: str, seconds: float = 1.0, dtype: str | None = None) -> dict:
     """A short measured rate of a usable engine: matmul GFLOP/s in the dtype the engine's base
     computes in (bfloat16 on a recent GPU, not float32 with TF32 off, which is ~1/15 of it on an
     H100) and copy bandwidth GB/s (bytes read + written), each the best of repeats within about
     seconds/2. The matmul grows from 512 until one multiply takes a visible time, so a GPU is
-    not measured on launch overhead and a slow CPU build (mlx's on Linux) is not kept waiting."""
+    not measured on launch overhead and a slow CPU build (mlx's on Linux) is not kept waiting.
+    `dtype` ("float32", "bfloat16"): measure in that dtype instead (a job whose base takes it)."""
     import time
 
     if name == "mlx":
         import mlx.core as mx
 
-        dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+        dtype = getattr(mx, dtype) if dtype else mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
 
         def ops(n, mb):
             a, buf = mx.random.normal((n, n)).astype(dtype), mx.zeros((mb * 2**18,))
@@ -105,7 +106,7 @@ def measure(name: str, seconds: float = 1.0) -> dict:
         from runtime.engines.torch.precision import device_precision
 
         dev = torch.device("cuda" if name == "torch-cuda" else "cpu")
-        dtype = device_precision(dev).base
+        dtype = getattr(torch, dtype) if dtype else device_precision(dev).base
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
         def ops(n, mb):
@@ -138,11 +139,12 @@ def measure(name: str, seconds: float = 1.0) -> dict:
 RATES_FILE = "cache/rates.json"
 
 
-def _rates_key(name: str) -> str:
-    return f"{name}: {probe(name).detail}"  # version and device: another GPU or torch is measured anew
+def _rates_key(name: str, dtype: str | None = None) -> str:
+    # version and device: another GPU or torch is measured anew
+    return f"{name}: {probe(name).detail}" + (f" [{dtype}]" if dtype else "")
 
 
-def remember_rate(name: str, rate: dict) -> None:
+def remember_rate(name: str, rate: dict, dtype: str | None = None) -> None:
     """Keep a measured rate under SPILLPACK_HOME for later jobs' estimates (doctor's, or a job's own)."""
     import orjson
 
@@ -153,7 +155,7 @@ def remember_rate(name: str, rate: dict) -> None:
         rates = orjson.loads(path.read_bytes()) if path.exists() else {}
     except (OSError, orjson.JSONDecodeError):
         rates = {}
-    rates[_rates_key(name)] = rate
+    rates[_rates_key(name, dtype)] = rate
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, orjson.dumps(rates, option=orjson.OPT_INDENT_2))
@@ -161,21 +163,26 @@ def remember_rate(name: str, rate: dict) -> None:
         pass  # an estimate's cache must never fail a job
 
 
-def engine_rate(name: str) -> dict:
-    """This engine's measured rate here: remembered from doctor or an earlier job, else measured
-    now (a quarter of a second) and remembered."""
+def engine_rate(name: str, dtype: str | None = None) -> dict:
+    """This engine's measured rate here (in `dtype`, the job's base dtype, where given):
+    remembered from doctor or an earlier job, else measured now (a quarter of a second) and
+    remembered."""
     import orjson
 
     try:
-        cached = orjson.loads((spillpack_home() / RATES_FILE).read_bytes()).get(_rates_key(name))
+        rates = orjson.loads((spillpack_home() / RATES_FILE).read_bytes())
+        cached = rates.get(_rates_key(name, dtype))
+        if not cached and dtype:  # doctor's measurement, when it was in this dtype
+            cached = rates.get(_rates_key(name))
+            cached = cached if cached and cached.get("matmul_dtype") == dtype else None
     except (OSError, orjson.JSONDecodeError, AttributeError):
         cached = None
     if cached and cached.get("matmul_gflops"):
         return cached
     return_freed_memory()
-    rate = measure(name, seconds=0.25)
+    rate = measure(name, seconds=0.25, dtype=dtype)
     return_freed_memory()
-    remember_rate(name, rate)
+    remember_rate(name, rate, dtype)
     return rate
 
 

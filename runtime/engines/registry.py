@@ -5,23 +5,63 @@ each framework is imported only when its engine is asked for.
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
+DTYPES = ("float32", "bfloat16")  # what --dtype and SPILLPACK_DTYPE may name besides auto
 
-def get_engine(name: str, dtype: str | None = None, **kw):
-    """`dtype`: --dtype, the frozen base's ("auto" or None: the device's policy). kw: the torch
+
+def base_dtype(asked: str | None, kept: str | None = None, environ=os.environ) -> tuple[str | None, str | None]:
+    """The frozen base's dtype by name and why, or (None, None) for the engine's own policy (the
+    device's, and on a CPU the model's width). First --dtype (`asked`, unless auto), then
+    SPILLPACK_DTYPE (a site's or a user's standing choice), then `kept`: the dtype this job's
+    earlier starts on this engine ran (a resume stays bit-identical on the same machine, and a
+    state begun before the policy changed keeps its float32)."""
+    from runtime.base.errors import SpillpackError
+
+    if asked not in (None, "auto"):
+        return asked, f"{asked}: --dtype {asked}"
+    env = environ.get("SPILLPACK_DTYPE", "").strip()
+    if env and env != "auto":
+        if env not in DTYPES:
+            raise SpillpackError(f"SPILLPACK_DTYPE={env!r} is not one of auto, {', '.join(DTYPES)}",
+                                 "SPILLPACK_DTYPE=float32, or unset it")
+        return env, f"{env}: SPILLPACK_DTYPE={env}"
+    if kept in DTYPES:
+        return kept, f"{kept}: kept from this job's earlier starts (another dtype changes the results)"
+    return None, None
+
+
+def kept_base_dtype(history: list[dict], engine: str) -> str | None:
+    """The base dtype the job's last process on `engine` recorded (`history`: the state's records,
+    oldest first; each process's `engine` record carries its `dtype`), or None."""
+    ran = [r["dtype"] for r in history if r.get("what") == "engine" and r.get("engine") == engine and r.get("dtype") in DTYPES]
+    return ran[-1] if ran else None
+
+
+def dtype_fields(engine) -> dict:
+    """What a job's `start` event says of its base dtype: the dtype and why (None: no engine opened)."""
+    if engine is None:
+        return {}
+    d = engine.describe()
+    return {"dtype": d.get("dtype"), "dtype_why": d.get("precision")}
+
+
+def get_engine(name: str, dtype: str | None = None, width: int | None = None, kept: str | None = None, **kw):
+    """`dtype`: --dtype, the frozen base's ("auto" or None: base_dtype above); `width`: the
+    model's hidden size; `kept`: the dtype this job ran on this engine before. kw: the torch
     engine's device and base_dtype (tests and benchmarks run CUDA's arithmetic on a CPU)."""
-    asked = dtype if dtype not in (None, "auto") else None
+    asked, why = base_dtype(dtype, kept) if "base_dtype" not in kw else (None, None)
     if name in ("torch-cpu", "torch-cuda"):
         from runtime.engines.torch.engine import TorchEngine
 
         if asked is not None:
             kw["base_dtype"] = asked  # by name: torch is the engine's to import
-        return TorchEngine(name, **kw)
+        return TorchEngine(name, width=width, why=why, **kw)
     if name == "mlx":
         from runtime.engines.mlx.engine import MLXEngine
 
-        return MLXEngine(asked)
+        return MLXEngine(asked, why)
     raise ValueError(name)
 
 

@@ -27,6 +27,7 @@ from runtime.core.job import Job, Outcome, read_state
 from runtime.base.signals import Abandon
 from runtime.base.fileio import sha256_bytes
 from runtime.engines.generation import Request
+from runtime.engines.registry import dtype_fields
 from runtime.jobs import estimate, shards
 from runtime.jobs.sizing import plan_rows
 from runtime.models.ref import local_path, resolve_model
@@ -135,12 +136,12 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     generating = work.todo and (o.get("stop_after") is None or work.done < o["stop_after"])
     # The engine first, as a tune's: its dtype and what the process holds with torch imported
     # size the memory plan. Importing torch is never abandoned midway, a stop waits for it.
-    engine = job.open_engine(dtype=o.get("dtype")) if generating else None
+    engine = job.open_engine(dtype=o.get("dtype"), width=model_dir.config.get("hidden_size")) if generating else None
     plan = plan_rows(job.engine_name, engine, model_dir, work.todo, o["batch"]) if generating else None
     events.emit("start", step=len(work.lines), job=o["name"], model=a[task.model_arg],
                 placement=f"{job.engine_name}: {job.engine_reason}", state=state.uri, estimated_seconds=est, total=total, **extra,
                 estimated_peak_gb=plan and round(plan.peak_gb, 3), memory_plan=plan and plan.to_dict(),
-                **start_fields(job.engine_name, cpus().count),
+                **start_fields(job.engine_name, cpus().count), **dtype_fields(engine),
                 message=f"{task.command} {a[task.model_arg]} on {a[task.input_arg]}{label}: {len(work.todo)} of {total} rows to generate "
                         f"({len(work.lines)} done or failed, up to {gen_tokens} new tokens) in batches of {o['batch']} "
                         f"on {job.engine_name}{'; ' + plan.describe() if plan else ''}; state at {state.uri}")

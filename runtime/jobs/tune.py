@@ -28,7 +28,7 @@ from runtime.data.train import BatchOrder, collate, load_train_data, rank_rows
 from runtime.data.validation import load_split
 from runtime.jobs.tune_val import Validation
 from runtime.engines import OptimSpec
-from runtime.engines.registry import get_engine
+from runtime.engines.registry import dtype_fields, get_engine
 from runtime.core.job import Job, Outcome, state_uri
 from runtime.engines.hardware import engine_rate
 from runtime.models.ref import resolve_model
@@ -87,8 +87,8 @@ def prepare(inv):
     order = BatchOrder([len(e.ids) for e in data.examples], o["batch"], o["grad_accum"], o["seed"])
     total = order.steps_for(o.get("steps"), o.get("epochs"))
     engine_name, reason = choose_engine(o.get("engine"))
-    engine_rate(engine_name)  # measured (once per machine) before the engine starts counting its peak memory
-    engine = get_engine(engine_name, o.get("dtype"))
+    engine = get_engine(engine_name, o.get("dtype"), width=model_dir.config.get("hidden_size"))
+    engine_rate(engine_name, engine.describe()["dtype"])  # measured (once per machine) before the engine counts its peak memory
     # Sized before the state is opened: a job refused here leaves no state behind that would
     # refuse the corrected command (a shorter --max-seq is another job).
     plan = plan_tune(engine_name, engine, model_dir, spec, data, order, total, o)
@@ -130,6 +130,10 @@ def main(inv, events) -> Outcome:
         identity["val"] = {"sha256": val_data.sha256 if o.get("val") else None, "fraction": o.get("val_fraction"),
                            "eval_every": o["eval_every"], "early_stop": o.get("early_stop")}
     with Job.open(inv, identity, events, upgrade=upgrade_identity) as job:
+        if job.engine_dtype(o.get("dtype"))[0] not in (None, engine.describe()["dtype"]):
+            # A resume of a job begun on another dtype than the policy picks now: it keeps its own.
+            engine = get_engine(job.engine_name, o.get("dtype"), width=model_dir.config.get("hidden_size"), kept=job.kept_dtype)
+            plan = plan_tune(job.engine_name, engine, model_dir, spec, data, order, total, o)
         if job.writer:
             job.state.log("plan", **plan.to_dict())
         job.open_engine(engine)
@@ -165,10 +169,10 @@ def main(inv, events) -> Outcome:
             job.restored(restored["step"], restored["uri"])
 
         tokens_per_step = sum(len(data.examples[i].ids) for i in order.step_examples(0))
-        rate = engine_rate(job.engine_name)
+        rate = engine_rate(job.engine_name, engine.describe()["dtype"])
         est = engine_estimate(model_dir.config, tokens_per_step * max(0, total - work.done), rate["matmul_gflops"])
         events.emit("start", step=work.done, job=o["name"], model=a["model"], placement=f"{job.engine_name}: {job.engine_reason}",
-                    state=job.state_uri, estimated_seconds=est, steps=total, **start_fields(job.engine_name, cpus().count), rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
+                    state=job.state_uri, estimated_seconds=est, steps=total, **start_fields(job.engine_name, cpus().count), **dtype_fields(engine), rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
                     estimated_peak_gb=round(plan.estimate.peak_gb, 3), memory_gb=round(plan.available_gb, 3),
                     memory_from=plan.available_from, micro_batch=plan.micro_batch, grad_checkpoint=plan.grad_checkpoint,
                     message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "

@@ -154,7 +154,7 @@ def layer_bytes_per_token(config: dict, targets: tuple, rank: int, act_bytes: in
     lin = a.lora_linears()
     adapted = {n: shape for n, shape in lin.items() if n.split(".")[-1] in targets}
     names = {n.split(".")[-1] for n in adapted}
-    kept = d + (q + 2 * kv) + q + d + 3 * inter  # norm inputs, q/k/v, attention output, MLP
+    kept = (q + 2 * kv) + q + 3 * inter  # q/k/v, attention output, MLP
     if names & {"q_proj", "k_proj", "v_proj", "qkv_proj"}:
         kept += d  # the normed input the adapters read
     if "o_proj" in names:
@@ -168,8 +168,9 @@ def layer_bytes_per_token(config: dict, targets: tuple, rank: int, act_bytes: in
     # x A^T, and the input A reads: a float32 copy of a lower-precision input; with dropout the
     # dropped float32 input and the mask (bool) it multiplied by.
     lora_input = (lambda i: 5 * i) if dropout else (lambda i: 4 * i if act_bytes != 4 else 0)
-    kept_bytes = kept * act_bytes + sum(4 * rank + lora_input(i) for i, _ in adapted.values())
-    transient = (3 * inter + 2 * d) * act_bytes  # gradients of the MLP's intermediates and the residual
+    # The two norms' inputs: the residual stream, float32 on every base (the torch decoder's).
+    kept_bytes = kept * act_bytes + 2 * d * 4 + sum(4 * rank + lora_input(i) for i, _ in adapted.values())
+    transient = 3 * inter * act_bytes + 2 * d * 4  # gradients of the MLP's intermediates and of the residual
     return kept_bytes, transient
 
 
@@ -189,7 +190,7 @@ def estimate(config: dict, targets: tuple, rank: int, act_bytes: int, batch: Bat
     logits = min(batch.targets, loss_chunk(a.vocab_size)) * a.vocab_size * (4 * 4 + (act_bytes if act_bytes != 4 else 0))
     logits += batch.targets * a.hidden_size * 4 * 2  # gathered hidden states and their gradient
     if grad_checkpoint:
-        forward = L * n * a.hidden_size * act_bytes  # each layer's input
+        forward = L * n * a.hidden_size * 4  # each layer's input: the float32 residual stream
         backward = n * (kept + transient) + (scores if windowed else 0)  # one layer recomputed and its gradients
     else:
         forward = L * n * kept + windowed * scores

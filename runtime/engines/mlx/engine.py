@@ -229,10 +229,13 @@ class MLXTrainSession:
 class MLXEngine:
     name = "mlx"
 
-    def __init__(self, dtype: str | None = None):
-        """`dtype`: "float32" or "bfloat16" asked for; else bfloat16 on a GPU, float32 on a CPU."""
+    def __init__(self, dtype: str | None = None, why: str | None = None):
+        """`dtype`: "float32" or "bfloat16" asked for (`why`: by whom); else bfloat16 on a GPU,
+        float32 on a CPU (mlx's CPU backend has no fast bfloat16 matmul)."""
         self.device = mx.default_device()
         self.base_dtype = getattr(mx, dtype) if dtype else mx.bfloat16 if self.device == mx.gpu else mx.float32
+        name = str(self.base_dtype).removeprefix("mlx.core.")
+        self.why = why or (f"{name} on a Metal GPU" if self.device == mx.gpu else f"{name}: mlx on a CPU")
 
     def fit_threads(self) -> None:
         """mlx picks its own threads (Metal, or its CPU backend's pool): nothing the job chooses."""
@@ -249,7 +252,8 @@ class MLXEngine:
             device = f"{mx.device_info().get('device_name') or 'Apple'} GPU (Metal)"
         else:
             device = f"{cpu_model()} ({platform.machine()})"
-        return {"device": device, "software": f"mlx {getattr(mx, '__version__', '?')}", "dtype": str(self.base_dtype).removeprefix("mlx.core.")}
+        return {"device": device, "software": f"mlx {getattr(mx, '__version__', '?')}", "dtype": str(self.base_dtype).removeprefix("mlx.core."),
+                "precision": self.why}
 
     def train_session(self, model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0) -> MLXTrainSession:
         return MLXTrainSession(self, model_dir, spec, tensors, opt, seed)

@@ -1,8 +1,9 @@
 """The torch engine (torch-cpu and torch-cuda): LoRA training and generation.
 
 The base model is frozen; only LoRA tensors and their AdamW moments change. The base's dtype
-follows the device (runtime/engines/torch/precision.py: float32 on a CPU, bfloat16 on CUDA
-devices with native bfloat16, float16 with loss scaling on older ones), while LoRA weights,
+follows the device and the model's width (runtime/engines/torch/precision.py: bfloat16 on CPUs
+that multiply it natively for models from 512 wide, else float32; bfloat16 on CUDA devices with
+native bfloat16, float16 with loss scaling on older ones), while LoRA weights,
 moments and everything in a checkpoint stay float32, so a checkpoint means the same on every
 engine. The device and base dtype are parameters: tests run the CUDA engine's arithmetic
 (bfloat16 and float16 bases) on a CPU.
@@ -277,9 +278,12 @@ class TorchTrainSession:
 
 
 class TorchEngine:
-    """`device` and `base_dtype` default to what the engine's name and the device call for."""
+    """`device` and `base_dtype` default to what the engine's name and the device call for;
+    `width` is the model's hidden size (the CPU's dtype policy needs it), `why` says where a
+    given `base_dtype` came from."""
 
-    def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | str | None = None):
+    def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | str | None = None,
+                 width: int | None = None, why: str | None = None):
         self.name = name
         base_dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) else base_dtype
         self.device = torch.device(device if device is not None else ("cuda" if name == "torch-cuda" else "cpu"))
@@ -287,7 +291,7 @@ class TorchEngine:
         if self.device.type == "cpu":
             return_freed_memory()
             fit_threads(self.device)
-        self.precision = device_precision(self.device) if base_dtype is None else precision_of(base_dtype)
+        self.precision = device_precision(self.device, width) if base_dtype is None else precision_of(base_dtype, why)
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
 

@@ -21,7 +21,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # (x * (1 + w)) in float32, then cast: Gemma rounds after the weight, Llama before.
-        return (F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return (F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (1.0 + self.weight.float())).to(self.weight.dtype)
 
 
 class Attention(llama.Attention):
