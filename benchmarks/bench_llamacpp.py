@@ -31,6 +31,7 @@ then has no native bf16 kernels); llama.cpp stays the build made for this CPU.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -46,8 +47,31 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("SPILLPACK_BENCH_CACHE", Path.home() / ".cache" / "spillpack-bench"))
 LLAMA_CPP_VERSION = "0.3.36"
 Q4_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Compiled for this CPU, without the parts a text benchmark never loads (multimodal, tools, tests).
-CMAKE_ARGS = "-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+# Without the parts a text benchmark never loads (multimodal, tools, tests); the instruction sets
+# are named in cmake_args() below.
+BASE_CMAKE_ARGS = "-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+# ggml's CMake switch per /proc/cpuinfo flag it needs.
+GGML_ISA = {"GGML_AVX": ("avx",), "GGML_AVX2": ("avx2",), "GGML_FMA": ("fma",), "GGML_F16C": ("f16c",),
+            "GGML_AVX512": ("avx512f", "avx512bw", "avx512dq", "avx512vl"), "GGML_AVX512_VNNI": ("avx512_vnni",),
+            "GGML_AVX512_BF16": ("avx512_bf16",)}
+
+
+def cmake_args() -> str:
+    """Compiled for the instruction sets this CPU reports, named one by one rather than ggml's
+    default -march=native: on an Intel Xeon with AMX here, the native build (which also compiles
+    ggml's AMX kernels) died with SIGILL (exit -4) at its first completion. AMX is left out: it
+    serves llama.cpp's int8 and bf16 batched paths, not the one-stream decode timed here."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        flags = set()
+    isa = " ".join(f"-D{name}={'ON' if all(f in flags for f in need) else 'OFF'}" for name, need in GGML_ISA.items())
+    return f"{BASE_CMAKE_ARGS} -DGGML_NATIVE=OFF {isa}"
+
+
+def build_key() -> str:
+    """The wheel cache's folder for these compile flags: another CPU's build is not reused."""
+    return hashlib.sha256(cmake_args().encode()).hexdigest()[:12]
 SYSTEM = "You are a helpful assistant. Answer in one or two plain sentences, without lists."
 TOPICS = ["the moon", "bread", "rivers", "a bicycle", "winter", "the ocean", "coffee", "a library", "volcanoes", "honey bees",
           "trains", "the desert", "chess", "clouds", "a lighthouse", "tea", "forests", "the piano", "glass", "mountains",
@@ -81,7 +105,7 @@ def uptime() -> str:
 
 def llama_python() -> Path:
     """The python of a venv holding llama-cpp-python, built from its sdist the first time."""
-    venv = CACHE / f"llama-cpp-{LLAMA_CPP_VERSION}"
+    venv = CACHE / f"llama-cpp-{LLAMA_CPP_VERSION}-{build_key()}"
     py = venv / "bin" / "python"
     if py.exists() and subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode == 0:
         return py
@@ -95,7 +119,7 @@ def ensure_wheel() -> Path:
     """The cached wheel, or built now; one build at a time (a second benchmark waits for it)."""
     import fcntl
 
-    wheels = CACHE / "wheels"
+    wheels = CACHE / "wheels" / build_key()
     wheels.mkdir(parents=True, exist_ok=True)
     with open(wheels / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -116,7 +140,7 @@ def _wheel(wheels: Path) -> Path:
     print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from its sdist (nice -n 19, one compile job; "
           f"cached in {wheels})", flush=True)
     t0 = time.monotonic()
-    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": "1", "CMAKE_ARGS": CMAKE_ARGS}
+    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", "1"), "CMAKE_ARGS": cmake_args()}
     subprocess.run(["nice", "-n", "19", sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), str(sdists[-1])],
                    check=True, env=env)
     seconds = time.monotonic() - t0

@@ -186,20 +186,27 @@ def engine_rate(name: str, dtype: str | None = None) -> dict:
     return rate
 
 
+TRAIN_MMAP_THRESHOLD = 4 << 20  # a tune step's (return_freed_memory)
+
+
 def return_freed_memory(threshold: int = 1 << 20) -> None:
     """Have glibc give blocks of `threshold` bytes or more their own mappings, returned to the
     system when freed, and hand back what its heap already holds free. By default glibc raises
-    that threshold to the size of the last freed block (up to 32 MB), so a step's activations
-    land on the heap and stay resident after they are freed: measured on a 100M model at
-    4 x 1018 tokens, the resident peak was 3.1 GB with checkpointing where the tensors alive never
-    exceeded 1.9 GB; and a tune's memory plan counts the process's resident memory, so the rate
-    measurement's freed buffers (about 70 MB) made the first job on a machine plan with less
-    memory than every later one. The price is time: every activation from 1 MB up is a fresh
-    mapping, faulted in and zeroed page by page (on the Qwen2.5-0.5B shape at 4 x 256 tokens, 1.7
-    million page faults and 16% of a step's CPU in the kernel; at 32 MB, 3% in the kernel, 5-6%
-    less CPU per step at 4 x 110 tokens, but +0.29 GB of peak RSS there and the planner 11-14% under
-    the measured peaks on tiny's long rows: README, "Performance on a CPU"). Elsewhere (macOS,
-    musl) a no-op."""
+    that threshold to the size of the last freed block, up to 32 MB; fixing it stops the raise,
+    so the process behaves the same from its first step (a tune's memory plan counts the
+    process's resident memory, and the rate measurement's freed buffers, about 70 MB, would
+    otherwise leave the first job on a machine planning with less memory than every later one).
+    Generation keeps 1 MB (its memory plan is held to 10% of the measured peak; at 32 MB a
+    64-slot run on tiny peaked 11% over the budget the plan is held to). Training takes 4 MB
+    (TRAIN_MMAP_THRESHOLD, set when a torch train session starts): every block under it that a
+    step frees is reused by the next instead of mapped, faulted in and zeroed page by page again
+    (1.7 million page faults a step at 1 MB). Measured on the Qwen2.5-0.5B shape, batch 4 x 178
+    tokens, 2 threads of an Intel Xeon with AMX, a bfloat16 step: 103-106 tokens/s at 1 MB, 145
+    at 4 MB, 152 at 16 MB, 156-167 at 32 MB (float32: 68 at 1 MB, 83 at 32 MB); peak RSS 2.46 ->
+    2.77 GB at 4 MB. 32 MB would be faster still, but its freed blocks stay on the heap: at
+    4 x 528 tokens in float32 the peak rose to 8.0 GB (6.3 at 4 MB) and with checkpointing to
+    4.0 GB (2.75 at 4 MB), 19% and 33% over the memory plan, which 4 MB keeps within 3%.
+    Elsewhere (macOS, musl) a no-op."""
     if platform.system() != "Linux":
         return
     import ctypes

@@ -18,7 +18,7 @@ from runtime.base.errors import SpillpackError
 from runtime.models.memory import loss_chunk
 from runtime.models.dropout import feature_keys, keep_mask, token_keys
 from runtime.models.lora import LoraSpec
-from runtime.engines.hardware import return_freed_memory
+from runtime.engines.hardware import TRAIN_MMAP_THRESHOLD, return_freed_memory
 from runtime.engines.torch.device import PeakMemory, describe, fit_threads, make_deterministic
 from runtime.engines.torch.models import load_checkpoint, load_model, routed_tokens
 from runtime.engines.torch.precision import LossScaler, device_precision, grads_finite, precision_of
@@ -126,6 +126,8 @@ def target_loss(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, 
 class TorchTrainSession:
     def __init__(self, engine: "TorchEngine", model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0):
         self.engine, self.spec, self.model_dir, self.seed = engine, spec, model_dir, seed
+        if engine.device.type == "cpu":
+            return_freed_memory(TRAIN_MMAP_THRESHOLD)  # a step's freed activations reused by the next, not re-faulted
         self.model = load_model(model_dir, dtype=engine.base_dtype, device=engine.device)
         for p in self.model.parameters():
             p.requires_grad_(False)
