@@ -15,13 +15,14 @@ from runtime.core.notices import MODES as NOTICE_MODES
 from runtime.base.signals import GRACE_MAX_S
 from runtime.core.launch import NPROC_MAX
 from runtime.engines.hardware import ENGINE_NAMES
+from runtime.engines.registry import DTYPES as BASE_DTYPES
 from runtime.base.errors import SpillpackError
 
 # eval's scoring rules (runtime/jobs/metrics.py scores each): named here, where --metric is checked.
 METRICS = ("exact_match", "contains", "regex", "json_field")
 
 ENGINES = ("auto", *ENGINE_NAMES)
-DTYPES = ("auto", "float32", "bfloat16")  # the frozen base's (runtime/engines/torch/precision.py)
+DTYPES = ("auto", *BASE_DTYPES)  # the frozen base's (runtime/engines/registry.py resolves auto)
 GRAD_CHECKPOINT = ("auto", "on", "off")
 # A job name is one path component (it names SPILLPACK_HOME/jobs/NAME) from a safe alphabet.
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
