@@ -82,10 +82,12 @@ def phome(home, wheel_cache):
 
 
 def clean_env(home: Path, extra=None) -> dict:
-    """What a fresh cluster node gives a bundle: PATH with a python3 that has torch, HOME, SPILLPACK_HOME, TMPDIR."""
+    """What a fresh cluster node gives a bundle: PATH with a python3 that has torch, HOME, SPILLPACK_HOME, TMPDIR,
+    and one torch thread, as the suite's direct runs have (OMP_NUM_THREADS above): a job left to choose takes
+    its count from the load it meets, and two jobs compare bit for bit only at one count (docs/state.md)."""
     (home.parent / "tmp").mkdir(parents=True, exist_ok=True)
     return {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": str(home.parent), "SPILLPACK_HOME": str(home),
-            "TMPDIR": str(home.parent / "tmp"),
+            "TMPDIR": str(home.parent / "tmp"), "SPILLPACK_THREADS": "1",
             "SPILLPACK_METADATA_URL": os.environ.get("SPILLPACK_METADATA_URL", "http://127.0.0.1:9"),
             **({"SOURCE_DATE_EPOCH": os.environ["SOURCE_DATE_EPOCH"]} if "SOURCE_DATE_EPOCH" in os.environ else {}), **(extra or {})}
 

@@ -76,3 +76,33 @@ def test_setup_abandons_when_the_signal_comes_during_loading(pre):
         with pre.setup():
             os.kill(os.getpid(), signal.SIGTERM)
             busy(5)
+
+
+def test_a_stop_inside_an_import_abandons_once_the_import_is_over(pre, tmp_path, monkeypatch):
+    """A module body may run under a C extension's initializer (torch imports its Python parts
+    through pybind11), where an exception cannot unwind: the stop waits for the import's end."""
+    (tmp_path / "slow_module_for_signals.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "end = time.monotonic() + 0.3\n"
+        "while time.monotonic() < end:\n"
+        "    pass\n"
+        "FINISHED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pre.start_up()
+    finished = None
+    with pytest.raises(Abandon):
+        import slow_module_for_signals
+
+        finished = slow_module_for_signals.FINISHED
+        busy(5)  # the deferred stop lands here, a few milliseconds after the import
+    assert finished is True and pre.stop_requested
+
+
+def test_a_stop_outside_an_import_during_start_up_abandons_at_once(pre):
+    pre.start_up()
+    t0 = time.monotonic()
+    with pytest.raises(Abandon):
+        os.kill(os.getpid(), signal.SIGTERM)
+        busy(5)
+    assert time.monotonic() - t0 < 1.0
