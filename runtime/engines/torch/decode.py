@@ -124,9 +124,9 @@ class TorchDecoder:
             pieces = [prompts[i][done[i]: done[i] + width] for i in active]
             hidden = self._forward([slots[i] for i in active], pieces, [done[i] for i in active], width)
             ends = [n for n, i in enumerate(active) if done[i] + len(pieces[n]) == len(prompts[i])]
-            if ends:
-                last = hidden[torch.tensor(ends, device=self.device), torch.tensor([len(pieces[n]) - 1 for n in ends], device=self.device)]
-                for n, row in zip(ends, self._host(self.model.logits(last))):
+            if ends:  # rows whose last token was in this piece: their logits
+                at = torch.tensor([[n, len(pieces[n]) - 1] for n in ends], device=self.device)
+                for n, row in zip(ends, self._host(self.model.logits(hidden[at[:, 0], at[:, 1]]))):
                     out[active[n]] = row
             for n, i in enumerate(active):
                 done[i] += len(pieces[n])
