@@ -332,7 +332,9 @@ def generation_plan(config: dict, act_bytes: int, slots: int, max_len: int, long
     # The layer's keys and values gathered for the rows of a view (one layer's worth of the cache).
     gathered = kv_slots // a.num_hidden_layers
     # A chunk after the first, or a prompt resuming from the prefix cache, attends through an
-    # explicit mask over the keys: boolean, and the attention kernel's copy in the compute dtype.
+    # explicit mask over the keys: boolean, and the attention kernel's copy in the compute dtype
+    # (measured on torch-cpu; on CUDA, where SDPA with a mask and grouped kv heads runs its math
+    # kernel, the scores of a chunk would come on top: not counted, not measured yet).
     mask = tokens * max_len * (1 + act_bytes)
     # A sliding window shorter than the prefill goes through the mask too, its scores kept.
     windowed = any(a.window(i) is not None and a.window(i) < longest_prompt for i in range(a.num_hidden_layers))
