@@ -262,10 +262,18 @@ def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params
 # A row job's peak is what it holds before the model (the interpreter, the framework once
 # imported, the tokenizer and the rows: measured, not guessed, because the engine is open when
 # the plan is made), the base weights in the compute dtype, the KV cache the decoder
-# preallocates for every slot at the longest row, and the largest forward on top of them. On a
-# CPU the widest forward is a prefill: every slot starting at once, right-padded to one width
-# (the scheduler cuts a prefill group where padding passes a quarter of its tokens, so slots x
-# the longest prompt bounds it); a decode step is one token a slot.
+# preallocates for every slot at the longest row (and the torch decoder's prefix cache: one
+# prompt's keys and values, max_len tokens), and the largest forward on top of them. On a CPU
+# the widest forward is a prefill: every slot starting at once, right-padded to one width, cut
+# into chunks of at most PREFILL_CHUNK_TOKENS tokens along the sequence, so the smaller of slots
+# x the longest prompt and a chunk bounds it; a decode step is one token a slot.
+
+# The tokens of one prefill forward (rows x width; the torch decoder's): activations grow with
+# them, so longer prefills run in chunks, each appending to the KV cache. 2,048 tokens keep the
+# matmuls large enough that a forward's fixed cost is noise (vLLM's chunked prefill budgets
+# forwards in the same thousands of tokens), while one forward's activations stay about 0.1 GB
+# for a 0.5B model and a few tenths for a 7B.
+PREFILL_CHUNK_TOKENS = 2048
 
 # What a host process adds at its first forward beyond the tensors counted (thread pools, the
 # kernels' code pages and workspaces), measured on torch-cpu float32 (tests/test_memory_run.py).
@@ -275,12 +283,12 @@ GENERATION_RUNTIME_GB = 0.015
 @dataclass(frozen=True)
 class GenerationPlan:
     weights_gb: float
-    kv_cache_gb: float
+    kv_cache_gb: float  # every slot's, and the prefix cache's one prompt
     activations_gb: float  # the widest forward's transient tensors and its logits
     runtime_gb: float
     slots: int
     max_len: int  # tokens a slot holds: the longest prompt + its max_tokens
-    prefill: tuple[int, int]  # (rows, width) of the widest prefill counted
+    prefill: tuple[int, int]  # (rows, width) of the widest prefill forward counted (one chunk)
 
     @property
     def peak_gb(self) -> float:
@@ -288,7 +296,7 @@ class GenerationPlan:
 
     def describe(self) -> str:
         return (f"about {self.peak_gb:.2f} GB at the peak: weights {self.weights_gb:.2f} GB, KV cache {self.kv_cache_gb:.2f} GB "
-                f"({self.slots} slots x {self.max_len} tokens), activations {self.activations_gb:.2f} GB, "
+                f"({self.slots} slots and a prefix cache x {self.max_len} tokens), activations {self.activations_gb:.2f} GB, "
                 f"runtime {self.runtime_gb:.2f} GB")
 
     def to_dict(self) -> dict:
@@ -309,22 +317,30 @@ def generation_plan(config: dict, act_bytes: int, slots: int, max_len: int, long
     """The predicted peak of generating with `slots` rows at once, each slot up to `max_len` tokens."""
     a = _args(config)
     weights = (params if params is not None else base_params(config)) * act_bytes
-    kv = kv_cache_bytes(config, slots, max_len, act_bytes)
+    kv_slots = kv_cache_bytes(config, slots, max_len, act_bytes)
+    kv = kv_slots + kv_cache_bytes(config, 1, max_len, act_bytes)  # and the prefix cache's one prompt
     d, hd = a.hidden_size, a.head_dim
     q, kv_width = a.num_attention_heads * hd, a.num_key_value_heads * hd
-    tokens = slots * longest_prompt
+    # A forward has at least one token a row, so more slots than a chunk's tokens pass it.
+    tokens = min(slots * longest_prompt, max(PREFILL_CHUNK_TOKENS, slots))
     # Alive at once in a layer, per token: the residual and its sum, the normed input, and the
     # larger of attention (q/k/v, the rotated q and k, the output and its reshaped copy) and the
     # MLP (the gate's activation, up and their product; the gate itself is freed once activated).
     attention = q + 2 * kv_width + (q + kv_width) + 2 * q
     mlp = 3 * _mlp_width(a)
     per_token = (3 * d + max(attention, mlp)) * act_bytes
-    # The layer's keys and values gathered for the rows of a view (one layer's worth of the cache);
-    # a sliding window shorter than the prefill goes through an explicit mask, its scores kept.
-    gathered = kv // a.num_hidden_layers
+    # The layer's keys and values gathered for the rows of a view (one layer's worth of the cache).
+    gathered = kv_slots // a.num_hidden_layers
+    # A chunk after the first, or a prompt resuming from the prefix cache, attends through an
+    # explicit mask over the keys: boolean, and the attention kernel's copy in the compute dtype
+    # (measured on torch-cpu; on CUDA, where SDPA with a mask and grouped kv heads runs its math
+    # kernel, the scores of a chunk would come on top: not counted, not measured yet).
+    mask = tokens * max_len * (1 + act_bytes)
+    # A sliding window shorter than the prefill goes through the mask too, its scores kept.
     windowed = any(a.window(i) is not None and a.window(i) < longest_prompt for i in range(a.num_hidden_layers))
-    scores = slots * a.num_attention_heads * longest_prompt * longest_prompt * (act_bytes + 1) if windowed else 0
+    scores = tokens * a.num_attention_heads * longest_prompt * (act_bytes + 1) if windowed else 0
     # Logits: one row per slot, float32 for sampling (a copy when the base is not float32).
     logits = slots * a.vocab_size * (4 + (act_bytes if act_bytes != 4 else 0))
-    activations = tokens * per_token + gathered + scores + logits
-    return GenerationPlan(weights / GB, kv / GB, activations / GB, runtime_gb, slots, max_len, (slots, longest_prompt))
+    activations = tokens * per_token + gathered + mask + scores + logits
+    rows = min(slots, tokens)
+    return GenerationPlan(weights / GB, kv / GB, activations / GB, runtime_gb, slots, max_len, (rows, tokens // rows))
