@@ -143,3 +143,18 @@ def test_auto_keeps_the_dtype_a_job_began_with_and_its_resume_is_bit_identical(h
     r = run_cli(TUNE + ["--state", str(tmp_path / "fresh"), "--steps", "1"], env=env)
     start = next(e for e in events_of(r.stdout) if e["event"] == "start")
     assert start["dtype"] == "float32" and "float32" in start["dtype_why"], start
+
+
+def test_a_tune_on_a_cpu_without_amx_takes_bfloat16_only_where_it_measures_faster():
+    """Generation takes bfloat16 wherever the CPU has it natively; a tune on AVX512-BF16 without
+    AMX only where its bfloat16 matmul was measured at least TRAIN_BF16_MIN_SPEEDUP faster."""
+    import torch
+
+    from runtime.engines.torch.precision import TRAIN_BF16_MIN_SPEEDUP, cpu_bf16_speedup, precision_for
+
+    slow = precision_for("cpu", width=896, bf16_native="AVX512-BF16", train_speedup=0.68)
+    assert slow.base == torch.float32 and "0.68x" in slow.why, slow
+    assert precision_for("cpu", width=896, bf16_native="AVX512-BF16", train_speedup=TRAIN_BF16_MIN_SPEEDUP).base == torch.bfloat16
+    assert precision_for("cpu", width=896, bf16_native="AVX512-BF16").base == torch.bfloat16  # generation: not measured
+    speedup = cpu_bf16_speedup()
+    assert 0.01 < speedup < 100 and cpu_bf16_speedup() == speedup  # measured once per process

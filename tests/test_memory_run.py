@@ -65,11 +65,11 @@ def rows_file(path, n: int, words: int):
     return path
 
 
-def planned_and_measured(model, rows, batch, max_tokens, tmp_path):
+def planned_and_measured(model, rows, batch, max_tokens, tmp_path, dtype="float32"):
     state = tmp_path / f"s{batch}"
     events, process_gb = run_measured(["run", str(model), str(rows), "--name", f"m{batch}", "--state", str(state),
-                                      "--batch", str(batch), "--max-tokens", str(max_tokens), "--engine", "torch-cpu"],
-                                     tmp_path)
+                                      "--batch", str(batch), "--max-tokens", str(max_tokens), "--engine", "torch-cpu",
+                                      "--dtype", dtype], tmp_path)
     start = next(e for e in events if e["event"] == "start")
     plan = start["memory_plan"]
     assert start["estimated_peak_gb"] == plan["estimated_peak_gb"]
@@ -101,11 +101,10 @@ def smollm2_shape(tmp_path_factory):
 
 # SmolLM2-135M's shape (random weights: memory does not depend on their values): the weights
 # are most of the peak, so this is where point 3's budget bites. With 200-word prompts at 16
-# slots the prefill's activations (16 x 257 tokens in one forward, ~0.1 GB) pass the budget's
-# 0.25 x weights of slack: the overrun is asserted to be no more than those activations, until
-# prefill runs in chunks (point 2) and the budget holds there too.
+# slots the prefill's activations once passed the budget's 0.25 x weights of slack (16 x 257
+# tokens in one forward, ~0.1 GB); a prefill now runs in chunks and the rows' shared start once.
 @pytest.mark.parametrize("batch,words,budget_holds", [(8, 30, True), pytest.param(32, 30, True, marks=pytest.mark.slow),
-                                                      (16, 200, False)])
+                                                      (16, 200, True)])
 def test_run_plan_within_10_percent_and_the_budget_on_smollm2(home, tmp_path, smollm2_shape, batch, words, budget_holds):
     rows = rows_file(tmp_path / "rows.jsonl", batch, words)
     plan, engine_peak, process_gb = planned_and_measured(smollm2_shape, rows, batch, 4, tmp_path)
@@ -117,3 +116,16 @@ def test_run_plan_within_10_percent_and_the_budget_on_smollm2(home, tmp_path, sm
         assert peak <= budget, (peak, budget)
     else:
         assert peak <= budget + plan["activations_gb"], (peak, budget, plan["activations_gb"])
+
+
+# bfloat16 (the base on a CPU with native bfloat16): the rows drain from 32 running to none over
+# 24 tokens, each step a new row count and key span for oneDNN, which keeps kernels per shape.
+# The plan within 10%; the peak against point 3's budget is printed, not asserted: bfloat16's
+# 0.25 x weights of slack (63 MB here) is less than what the process holds beyond torch's import
+# (the interpreter's modules, numpy, the tokenizer: about 34 MB) and oneDNN's kernels.
+def test_run_plan_within_10_percent_in_bfloat16_as_rows_drain(home, tmp_path, smollm2_shape):
+    rows = rows_file(tmp_path / "rows.jsonl", 48, 30)
+    plan, engine_peak, process_gb = planned_and_measured(smollm2_shape, rows, 32, 24, tmp_path, dtype="bfloat16")
+    within_10_percent(plan, engine_peak, process_gb)
+    budget = torch_import_gb() + 1.25 * plan["weights_gb"] + plan["kv_cache_gb"]
+    print(f"bfloat16: budget {budget:.3f} GB, peak {max(engine_peak, process_gb):.3f} GB")

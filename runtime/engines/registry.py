@@ -47,17 +47,19 @@ def dtype_fields(engine) -> dict:
     return {"dtype": d.get("dtype"), "dtype_why": d.get("precision")}
 
 
-def get_engine(name: str, dtype: str | None = None, width: int | None = None, kept: str | None = None, **kw):
+def get_engine(name: str, dtype: str | None = None, width: int | None = None, kept: str | None = None,
+               training: bool = False, **kw):
     """`dtype`: --dtype, the frozen base's ("auto" or None: base_dtype above); `width`: the
-    model's hidden size; `kept`: the dtype this job ran on this engine before. kw: the torch
-    engine's device and base_dtype (tests and benchmarks run CUDA's arithmetic on a CPU)."""
+    model's hidden size; `kept`: the dtype this job ran on this engine before; `training`: the
+    engine is a tune's (a CPU's policy may differ). kw: the torch engine's device and base_dtype
+    (tests and benchmarks run CUDA's arithmetic on a CPU)."""
     asked, why = base_dtype(dtype, kept) if "base_dtype" not in kw else (None, None)
     if name in ("torch-cpu", "torch-cuda"):
         from runtime.engines.torch.engine import TorchEngine
 
         if asked is not None:
             kw["base_dtype"] = asked  # by name: torch is the engine's to import
-        return TorchEngine(name, width=width, why=why, **kw)
+        return TorchEngine(name, width=width, why=why, training=training, **kw)
     if name == "mlx":
         from runtime.engines.mlx.engine import MLXEngine
 

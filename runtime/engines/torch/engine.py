@@ -282,10 +282,10 @@ class TorchTrainSession:
 class TorchEngine:
     """`device` and `base_dtype` default to what the engine's name and the device call for;
     `width` is the model's hidden size (the CPU's dtype policy needs it), `why` says where a
-    given `base_dtype` came from."""
+    given `base_dtype` came from, `training` whether the engine is for a tune (the policy may differ)."""
 
     def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | str | None = None,
-                 width: int | None = None, why: str | None = None):
+                 width: int | None = None, why: str | None = None, training: bool = False):
         self.name = name
         base_dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) else base_dtype
         self.device = torch.device(device if device is not None else ("cuda" if name == "torch-cuda" else "cpu"))
@@ -293,7 +293,7 @@ class TorchEngine:
         if self.device.type == "cpu":
             return_freed_memory()
             fit_threads(self.device)
-        self.precision = device_precision(self.device, width) if base_dtype is None else precision_of(base_dtype, why)
+        self.precision = device_precision(self.device, width, training) if base_dtype is None else precision_of(base_dtype, why)
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
 

@@ -9,6 +9,12 @@ the frozen base (and so the activations) takes the device's dtype:
   to 896; at 8-32 rows (decoding) 0.07-0.7x at d = 64-128, 1.1-4.4x at d = 576-896; a whole
   tune step on tiny (d = 64) 0.55x, on the Qwen2.5-0.5B shape (d = 896) 2.0x: below a few
   hundred features the conversions and oneDNN's packing cost more than the multiply saves;
+  For training on AVX512-BF16 without AMX the bfloat16 multiply is measured first (about a
+  third of a second, once per process): an Intel Xeon with AVX512-BF16 and no AMX ran it at
+  0.55-0.70x float32 (124-142 against 197-232 GFLOP/s at a step's shapes; the 0.5B tune 57
+  against 85 tokens/s), so there a tune keeps float32 while generation, which reads every
+  weight once a step and gains from half the bytes, still takes bfloat16 (SmolLM2-135M, 32
+  rows: 94-101 against 75 tokens/s);
 - other CPUs, and narrower models: float32 (bfloat16 there is emulated, or does not pay);
 - CUDA with native bfloat16 (compute capability 8.0 and up: A100, L4, H100, ...): bfloat16,
   which has float32's range, so gradients need no scaling;
@@ -22,7 +28,9 @@ the frozen base (and so the activations) takes the device's dtype:
 
 from __future__ import annotations
 
+import functools
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +49,25 @@ class Precision:
 
 
 BF16_MIN_WIDTH = 512  # the model's hidden size from which a native-bfloat16 CPU gets a bfloat16 base
+# A tune on a CPU without AMX takes bfloat16 where its bfloat16 matmul is at least this much
+# faster than float32's: below it the conversions around each multiply eat the gain.
+TRAIN_BF16_MIN_SPEEDUP = 1.2
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_bf16_speedup(seconds: float = 0.15) -> float:
+    """This CPU's bfloat16 matmul rate over its float32 one, at a LoRA step's shape (512 tokens
+    of a 896-wide model into a 2048-wide projection), on torch's threads; measured once."""
+    rates = []
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(512, 896).to(dtype), torch.randn(896, 2048).to(dtype)
+        torch.mm(a, b)  # warm-up: oneDNN makes its kernel
+        n, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < seconds or n < 3:
+            torch.mm(a, b)
+            n += 1
+        rates.append(n / elapsed)
+    return rates[1] / rates[0]
 
 # oneDNN (which runs torch's bfloat16 matmuls on a CPU) capped by ONEDNN_MAX_CPU_ISA below
 # these emulates bfloat16 with float32 arithmetic.
@@ -66,15 +93,19 @@ def cpu_bf16_native(environ=os.environ) -> str | None:
 
 
 def precision_for(device_type: str, capability: tuple[int, int] | None = None, width: int | None = None,
-                  bf16_native: str | None = None) -> Precision:
+                  bf16_native: str | None = None, train_speedup: float | None = None) -> Precision:
     """The policy above; `capability` is the CUDA device's (major, minor); `width` the model's
-    hidden size (None: not known, float32 on a CPU); `bf16_native` what cpu_bf16_native() says."""
+    hidden size (None: not known, float32 on a CPU); `bf16_native` what cpu_bf16_native() says;
+    `train_speedup` for a tune on a CPU without AMX, what cpu_bf16_speedup() measured."""
     if device_type != "cuda":
         if not bf16_native:
             return Precision(torch.float32, False, "float32: this CPU has no native bfloat16 matmul")
         if width is None or width < BF16_MIN_WIDTH:
             return Precision(torch.float32, False, f"float32: the model is {width} wide, below the {BF16_MIN_WIDTH} "
                                                    f"where this CPU's bfloat16 ({bf16_native}) is faster")
+        if train_speedup is not None and train_speedup < TRAIN_BF16_MIN_SPEEDUP:
+            return Precision(torch.float32, False, f"float32: this CPU's bfloat16 matmul ({bf16_native}) measured "
+                                                   f"{train_speedup:.2f}x float32's, too slow to train on")
         return Precision(torch.bfloat16, False, f"bfloat16: this CPU multiplies it natively ({bf16_native}) and the model "
                                                 f"is {width} wide (bfloat16 pays from {BF16_MIN_WIDTH})")
     major, minor = capability or (0, 0)
@@ -91,10 +122,13 @@ def precision_of(dtype: torch.dtype, why: str | None = None) -> Precision:
     return Precision(dtype, dtype == torch.float16, why or f"{str(dtype).removeprefix('torch.')} asked for")
 
 
-def device_precision(device: torch.device, width: int | None = None) -> Precision:
-    """`width`: the model's hidden size (a CPU's choice depends on it)."""
+def device_precision(device: torch.device, width: int | None = None, training: bool = False) -> Precision:
+    """`width`: the model's hidden size (a CPU's choice depends on it); `training`: for a tune
+    (a CPU without AMX measures its bfloat16 first)."""
     if device.type != "cuda":
-        return precision_for(device.type, width=width, bf16_native=cpu_bf16_native())
+        native = cpu_bf16_native()
+        measure = training and native == "AVX512-BF16" and width is not None and width >= BF16_MIN_WIDTH
+        return precision_for(device.type, width=width, bf16_native=native, train_speedup=cpu_bf16_speedup() if measure else None)
     return precision_for("cuda", torch.cuda.get_device_capability(device))
 
 
