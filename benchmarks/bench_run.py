@@ -23,6 +23,7 @@ are token-identical. `qwen0.5b-shape` is a random-weight model of Qwen2.5-0.5B's
 
 import argparse
 import json
+import os
 import random
 import tempfile
 import time
@@ -129,6 +130,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+        # The engine fits its own threads to the free CPUs unless told: both sides at --threads.
+        os.environ["SPILLPACK_THREADS"] = str(args.threads)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "tiny":
