@@ -64,9 +64,11 @@ def sbatch(args, cwd, env) -> str:
 
 
 def log_events(log: Path) -> list[dict]:
+    """The events of a job's log so far: whole lines only (a polled log may end in one being written)."""
     if not log.exists():
         return []
-    return [json.loads(l) for l in log.read_text(errors="replace").splitlines() if l.startswith("{")]
+    text = log.read_text(errors="replace")
+    return [json.loads(l) for l in text[: text.rfind("\n") + 1].splitlines() if l.startswith("{")]
 
 
 def wait_for(pred, what: str, log: Path, timeout=600.0):
