@@ -57,7 +57,10 @@ class LoRALinear(nn.Module):
         self.p, self.keys, self.features = dropout, keys, features  # features: (in,) int32, not a buffer
 
     def forward(self, x):
-        y = self.base(x)
+        return self.add_update(self.base(x), x)
+
+    def add_update(self, y, x):
+        """y, the frozen linear's output for x (computed here or in a joined GEMM), plus the update."""
         h = x.to(self.lora_A.dtype)
         if self.training and self.p > 0 and self.keys is not None and self.keys.tokens is not None:
             h = h * keep_mask(self.keys.for_input(h), self.features, self.p) / (1 - self.p)

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from runtime.engines.hardware import trim_heap
+from runtime.engines.torch.models.llama import join_linears  # every family's blocks derive from llama's
 from runtime.models.arch import architecture
 from runtime.models.weights import check_weights, read_tensors, weight_files
 
@@ -57,4 +59,7 @@ def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu"):
     check_weights({k: tuple(v.shape) for k, v in model.state_dict().items()},
                   {k: tuple(v.shape) for k, v in weights.items()}, files, model_dir)
     model.load_state_dict(weights, strict=True, assign=True)
+    del weights
+    join_linears(model)
+    trim_heap()
     return model.eval()

@@ -39,7 +39,8 @@ class Attention(llama.Attention):
 
 class MLP(llama.MLP):
     def forward(self, x):
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = llama.joined_outputs(self, self.joined[0], x)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class TransformerBlock(nn.Module):

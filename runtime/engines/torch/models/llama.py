@@ -113,23 +113,88 @@ class KVCache:
         return self.k[layer, :, :, :span][rows], self.v[layer, :, :, :span][rows]  # a gathered copy
 
 
-def decode_attention(q, k, v, mask, scale):
-    """Attention of one query per row, (B, heads, 1, head_dim), over (B, kv_heads, S, head_dim).
+def joined_outputs(module: nn.Module, names: tuple[str, ...], x) -> list:
+    """The outputs of `module`'s linears `names`, which all read x, from one GEMM over their
+    weights laid end to end: q/k/v and gate/up become one call each, which on a small model's
+    decode step (calls, not arithmetic, most of its time) and in a tune's backward (one input
+    gradient instead of three) saves what the peer spends. Each linear keeps its weight, as a
+    view into the joined tensor, so checkpoint names, state_dict and LoRA targets are unchanged.
+    A LoRA wrapper (its frozen linear as `.base`) adds its own update to its part."""
+    linears = [getattr(module, n) for n in names]
+    bases = [getattr(m, "base", m) for m in linears]
+    joined = _joined(module, bases)
+    if joined is None:
+        outs = [b(x) for b in bases]
+    else:
+        weight, bias, sizes = joined
+        outs = list(F.linear(x, weight, bias).split(sizes, dim=-1))
+    return [y if m is b else m.add_update(y, x) for y, m, b in zip(outs, linears, bases)]
 
-    The same result as SDPA with `mask`; on CPU, torch's flash kernel spends ~0.3 ms per call
-    on a single query, most of a small model's decode step, where these four ops take a tenth.
-    On CUDA, SDPA with a boolean mask and grouped kv heads falls back to its math kernel, which
-    copies the keys and values out to every query head; grouping the queries instead reads them once.
+
+def _joined(module: nn.Module, bases: list):
+    """(weight, bias, sizes) joining `bases`, made on first use and again whenever a weight has
+    moved (model.to(), a reload); None where a weight is being trained, whose gradient must
+    reach its own parameter (the engine's base is frozen: this is for other callers)."""
+    weights = [b.weight for b in bases]
+    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        return None
+    ptrs = tuple(w.data_ptr() for w in weights)
+    cached = module.__dict__.get("joined_linears")
+    if cached is not None and cached[0] == ptrs:
+        return cached[1]
+    with torch.no_grad():
+        weight = torch.cat(weights)
+        bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
+    sizes = [w.shape[0] for w in weights]
+    for b, part, w in zip(bases, weight.split(sizes), weights):
+        b.weight = nn.Parameter(part, requires_grad=w.requires_grad)  # the separate copy is freed
+    if bias is not None:
+        for b, part in zip(bases, bias.split(sizes)):
+            b.bias = nn.Parameter(part, requires_grad=b.bias.requires_grad)
+    module.__dict__["joined_linears"] = (tuple(b.weight.data_ptr() for b in bases), (weight, bias, sizes))
+    return weight, bias, sizes
+
+
+def join_linears(model: nn.Module) -> None:
+    """Join every module's `joined` linears now, as joined_outputs would on first use: at load,
+    so the separate copies are freed before anything else is allocated (the loader then hands
+    the freed heap back to the system)."""
+    with torch.no_grad():
+        for module in model.modules():
+            for names in getattr(module, "joined", ()):
+                _joined(module, [getattr(getattr(module, n), "base", getattr(module, n)) for n in names])
+
+
+def decode_attention(q, k, v, bias, scale):
+    """Attention of one query per row, (B, heads, 1, head_dim), over (B, kv_heads, S, head_dim);
+    `bias` (B * kv_heads, 1, S): 0 where a key is seen, -inf where not (`decode_bias`).
+
+    The same result as SDPA with the mask; on CPU, torch's flash kernel spends ~0.3 ms per call
+    on a single query, most of a small model's decode step, where these three ops take a tenth.
+    Rows and kv heads flattened into one batch make the cached keys (a slice of the cache) a
+    view that bmm reads in place, where a 4-d matmul copied them (tiny, 8 rows: 60 -> 22 us per
+    layer), and baddbmm scales and masks as it multiplies. On CUDA, SDPA with a boolean mask and
+    grouped kv heads falls back to its math kernel, which copies the keys and values out to
+    every query head; grouping the queries instead reads them once.
     """
     B, H, _, hd = q.shape
-    kv_heads = k.shape[1]
-    q = q.view(B, kv_heads, H // kv_heads, hd)  # query heads grouped by the kv head they share
-    scores = (q @ k.transpose(-1, -2)) * scale  # (B, kv_heads, group, S)
-    scores = scores.masked_fill(~mask, float("-inf"))  # mask: (B, 1, 1, S)
-    return (scores.softmax(-1) @ v).view(B, H, 1, hd)
+    kv_heads, S = k.shape[1], k.shape[2]
+    q = q.reshape(B * kv_heads, H // kv_heads, hd)  # query heads grouped by the kv head they share
+    scores = torch.baddbmm(bias, q, k.reshape(B * kv_heads, S, hd).transpose(1, 2), alpha=scale)  # (B*kv, group, S)
+    return torch.bmm(scores.softmax(-1), v.reshape(B * kv_heads, S, hd)).view(B, H, 1, hd)
+
+
+def decode_bias(mask, kv_heads: int, dtype):
+    """`build_mask`'s (B, 1, 1, S) for one query per row, as decode_attention's additive
+    (B * kv_heads, 1, S) bias: made once per step, read by every layer."""
+    B, S = mask.shape[0], mask.shape[-1]
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.expand(B, kv_heads, 1, S).reshape(B * kv_heads, 1, S)
 
 
 class Attention(nn.Module):
+    joined = (("q_proj", "k_proj", "v_proj"),)  # linears computed as one GEMM (joined_outputs)
+
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
@@ -145,9 +210,10 @@ class Attention(nn.Module):
     def project(self, x):
         """q (B, heads, T, head_dim), k and v (B, kv_heads, T, head_dim), before the rotation."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = joined_outputs(self, self.joined[0], x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, span=None):
@@ -158,8 +224,8 @@ class Attention(nn.Module):
             k, v = cache.write(layer, k, v, slots, span)  # (B, kv_heads, S, head_dim)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
-        elif T == 1:
-            out = decode_attention(q, k, v, mask, self.scale)
+        elif T == 1 and cache is not None:
+            out = decode_attention(q, k, v, mask, self.scale)  # mask: decode_bias's
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, heads*head_dim)
@@ -167,6 +233,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    joined = (("gate_proj", "up_proj"),)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         d, h = args.hidden_size, args.intermediate_size
@@ -175,7 +243,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(h, d, bias=args.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = joined_outputs(self, self.joined[0], x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -274,6 +343,9 @@ class LlamaModel(nn.Module):
         # float32 run (SmolLM2-135M-Instruct, 8 rows: per-token loss 0.046 -> 0.019 off, LoRA
         # gradient cosine 0.977 -> 0.997); on a float32 base it changes nothing.
         x = x.float()
+        if T == 1 and cache is not None:  # a decode step: decode_attention's additive bias
+            kv_heads = self.layers[0].self_attn.n_kv_heads
+            masks = {w: None if m is None else decode_bias(m, kv_heads, compute) for w, m in masks.items()}
         rotations = {t: r(positions, compute) for t, r in self.rotary.items()}
         for i, layer in enumerate(self.layers):
             cos, sin = rotations[layer.self_attn.layer_type]

@@ -13,6 +13,8 @@ from runtime.models.args import ModelArgs
 
 
 class Attention(llama.Attention):
+    joined = ()  # the checkpoint's qkv_proj is joined already
+
     def __init__(self, args: ModelArgs, layer: int = 0):
         nn.Module.__init__(self)
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
