@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from runtime.base.allotment import memory_limit
 from runtime.engines.nvidia import CudaFacts, diagnose, machine_facts
 from runtime.base.errors import SpillpackError
+from runtime.base.heap import glibc
 from runtime.base.paths import spillpack_home
 
 ENGINE_NAMES = ("mlx", "torch-cuda", "torch-cpu")
@@ -207,33 +208,10 @@ def return_freed_memory(threshold: int = 1 << 20) -> None:
     4 x 528 tokens in float32 the peak rose to 8.0 GB (6.3 at 4 MB) and with checkpointing to
     4.0 GB (2.75 at 4 MB), 19% and 33% over the memory plan, which 4 MB keeps within 3%.
     Elsewhere (macOS, musl) a no-op."""
-    libc = _glibc()
+    libc = glibc()
     if libc is not None:
         libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (fixing it also stops the dynamic raise)
         libc.malloc_trim(0)
-
-
-def trim_heap() -> None:
-    """Hand the free pages of glibc's heap back to the system (malloc_trim releases whole free
-    pages anywhere in the heap, not only at its top): after a load frees copies it no longer needs."""
-    libc = _glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def _glibc():
-    """glibc, or None elsewhere (macOS, musl: its malloc tuning calls do not exist)."""
-    if platform.system() != "Linux":
-        return None
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt, libc.malloc_trim  # noqa: B018 (musl has neither)
-        return libc
-    except (OSError, AttributeError):
-        return None
 
 
 def choose_engine(requested: str | None = "auto", cuda: CudaFacts | None = None) -> tuple[str, str]:

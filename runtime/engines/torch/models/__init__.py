@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.engines.hardware import trim_heap
+from runtime.base.heap import trim_heap
 from runtime.engines.torch.models.llama import join_linears  # every family's blocks derive from llama's
 from runtime.models.arch import architecture
 from runtime.models.weights import check_weights, read_tensors, weight_files

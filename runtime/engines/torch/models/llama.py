@@ -158,7 +158,8 @@ def _joined(module: nn.Module, bases: list):
 def join_linears(model: nn.Module) -> None:
     """Join every module's `joined` linears now, as joined_outputs would on first use: at load,
     so the separate copies are freed before anything else is allocated (the loader then hands
-    the freed heap back to the system)."""
+    the freed heap back to the system: SmolLM2-135M in bfloat16, +289 MiB joined untrimmed,
+    +263 trimmed, +268 not joined)."""
     with torch.no_grad():
         for module in model.modules():
             for names in getattr(module, "joined", ()):
