@@ -256,3 +256,39 @@ def test_fingerprint_is_cheap_and_sensitive(tmp_path):
     c = copy_tiny(tmp_path / "c")
     (c / "model.safetensors").write_bytes((c / "model.safetensors").read_bytes() + b" ")  # size changes
     assert resolve_model(str(a)).fingerprint() != resolve_model(str(c)).fingerprint()
+
+
+def test_joined_projections_keep_the_checkpoint_and_equal_separate_linears(tmp_path):
+    """q/k/v and gate/up run as one GEMM each (llama.joined_outputs), over weights that stay the
+    checkpoint's tensors by name and value; a model moved to another dtype joins again."""
+    from safetensors.torch import load_file
+
+    from runtime.engines.torch.models.llama import joined_outputs
+
+    path, hf = make_qwen2(tmp_path / "q")  # q/k/v biases too
+    ours = load_model(resolve_model(str(path)))
+    saved = {}
+    for f in sorted(path.glob("*.safetensors")):
+        saved.update(load_file(str(f)))
+    state = ours.state_dict()
+    assert sorted(state) == sorted(k for k in saved if k != "lm_head.weight" or not hf.config.tie_word_embeddings)
+    for name, tensor in saved.items():
+        if name in state:
+            assert torch.equal(state[name], tensor), name
+    attn, mlp = ours.model.layers[0].self_attn, ours.model.layers[0].mlp
+    joined = attn.__dict__["joined_linears"][1][0]
+    assert attn.q_proj.weight.data_ptr() == joined.data_ptr()  # a view into the joined tensor, not a copy
+    x = torch.randn(2, 5, hf.config.hidden_size)
+    with torch.no_grad():
+        for module, names in ((attn, attn.joined[0]), (mlp, mlp.joined[0])):
+            got = joined_outputs(module, names, x)
+            for name, y in zip(names, got):
+                lin = getattr(module, name)
+                assert torch.allclose(y, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-6, rtol=0), name
+    ids = torch.tensor(ids_batch(hf.config.vocab_size, [8]))
+    ours.to(torch.bfloat16)  # the joined tensors are stale: the next forward joins the moved weights
+    loaded = load_model(resolve_model(str(path)), dtype=torch.bfloat16)
+    with torch.no_grad():
+        got, expected = ours(ids), loaded(ids)
+    assert attn.__dict__["joined_linears"][1][0].dtype == torch.bfloat16
+    assert torch.equal(got, expected)
