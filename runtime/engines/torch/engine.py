@@ -21,6 +21,7 @@ from runtime.models.lora import LoraSpec
 from runtime.engines.hardware import TRAIN_MMAP_THRESHOLD, return_freed_memory
 from runtime.engines.torch.device import PeakMemory, describe, fit_threads, make_deterministic
 from runtime.engines.torch.models import load_checkpoint, load_model, routed_tokens
+from runtime.engines.torch.optim import AdamW
 from runtime.engines.torch.precision import LossScaler, device_precision, grads_finite, precision_of
 from runtime.engines import OptimSpec
 
@@ -137,8 +138,8 @@ class TorchTrainSession:
         self.keys = DropoutKeys() if spec.dropout > 0 else None
         self.params = apply_lora(self.model, tensors, spec, engine.device, self.keys)
         self.names = sorted(self.params)
-        self.optimizer = torch.optim.AdamW([self.params[n] for n in self.names], lr=0.0, betas=opt.betas, eps=opt.eps,
-                                           weight_decay=opt.weight_decay)
+        self.optimizer = AdamW([self.params[n] for n in self.names], betas=opt.betas, eps=opt.eps,
+                               weight_decay=opt.weight_decay)
         self.scaler = LossScaler() if engine.precision.loss_scaling else None
         self.model.train(spec.dropout > 0)
         self.pad_id = 0
@@ -167,7 +168,7 @@ class TorchTrainSession:
                         p.grad.div_(scale)  # a power of two: exact
                 self.scaler.pending = scale
                 return result
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()
             scale /= 2
             if scale < LossScaler.MIN:
                 raise SpillpackError(f"the LoRA gradients of step {step + 1} are not finite even without loss scaling "
@@ -217,7 +218,7 @@ class TorchTrainSession:
         return loss_sum, targets
 
     def _optimizer_state(self, p, step: float = 0.0, exp_avg=None, exp_avg_sq=None) -> None:
-        """AdamW's state made here, as torch.optim.AdamW would lazily (step on the CPU, moments
+        """AdamW's state, as torch.optim.AdamW would make it lazily (step on the CPU, moments
         beside the parameter), so no tensor of it lands on torch's default device."""
         self.optimizer.state[p] = {
             "step": torch.tensor(step, dtype=torch.float32, device="cpu"),
@@ -230,15 +231,14 @@ class TorchTrainSession:
         for p in self.params.values():
             if not self.optimizer.state.get(p):
                 self._optimizer_state(p)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.lr = lr
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         if self.scaler is not None:
             self.scaler.step_done()
 
     def discard(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         if self.scaler is not None:
             self.scaler.discard()
 
