@@ -217,14 +217,18 @@ def test_a_shard_count_past_the_bound_is_one_line_and_one_at_the_bound_finishes_
 def stopped(args, after_s: float, tmp_path) -> tuple[int, list[dict], str]:
     """(exit code, events, stderr) of a job sent SIGTERM `after_s` after its start (a job refused at
     once may end by itself first on a quiet machine)."""
-    p = start(args)
+    p = start(args, env={"PYTHONFAULTHANDLER": "1"})  # a hung job's threads are dumped on SIGABRT
     signal_after(p, after_s)  # Popen.send_signal does nothing to a process that has already exited
     try:
         rc = p.wait(timeout=GRACE_S + 60)  # the grace, and room for a loaded machine's start-up
     except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-        raise AssertionError(f"{' '.join(args)}: still running {GRACE_S + 60} s after SIGTERM")
+        p.send_signal(signal.SIGABRT)  # where it hangs, as faulthandler prints it, for the failure message
+        try:
+            _, err = p.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        raise AssertionError(f"{' '.join(args)}: still running {GRACE_S + 60} s after SIGTERM; its stacks:\n{err[-6000:]}")
     out, err = p.stdout.read(), p.stderr.read()
     return rc, events_of(out), err
 
