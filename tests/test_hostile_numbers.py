@@ -220,7 +220,10 @@ def stopped(args, after_s: float, tmp_path) -> tuple[int, list[dict], str]:
     p = start(args, env={"PYTHONFAULTHANDLER": "1"})  # a hung job's threads are dumped on SIGABRT
     signal_after(p, after_s)  # Popen.send_signal does nothing to a process that has already exited
     try:
-        rc = p.wait(timeout=GRACE_S + 60)  # the grace, and room for a loaded machine's start-up
+        # communicate, not wait: its pipes are read meanwhile. A job that had filled its stdout
+        # pipe (a fast start makes 64 KB of step events within seconds) blocked in write(), and a
+        # stop does not end a blocked write: it ran on, stopped in events.emit, until killed.
+        out, err = p.communicate(timeout=GRACE_S + 60)  # the grace, and room for a loaded machine's start-up
     except subprocess.TimeoutExpired:
         p.send_signal(signal.SIGABRT)  # where it hangs, as faulthandler prints it, for the failure message
         try:
@@ -229,7 +232,7 @@ def stopped(args, after_s: float, tmp_path) -> tuple[int, list[dict], str]:
             p.kill()
             _, err = p.communicate()
         raise AssertionError(f"{' '.join(args)}: still running {GRACE_S + 60} s after SIGTERM; its stacks:\n{err[-6000:]}")
-    out, err = p.stdout.read(), p.stderr.read()
+    rc = p.returncode
     return rc, events_of(out), err
 
 
