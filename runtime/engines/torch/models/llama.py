@@ -116,13 +116,17 @@ class KVCache:
 def joined_outputs(module: nn.Module, names: tuple[str, ...], x) -> list:
     """The outputs of `module`'s linears `names`, which all read x, from one GEMM over their
     weights laid end to end: q/k/v and gate/up become one call each, which on a small model's
-    decode step (calls, not arithmetic, most of its time) and in a tune's backward (one input
-    gradient instead of three) saves what the peer spends. Each linear keeps its weight, as a
-    view into the joined tensor, so checkpoint names, state_dict and LoRA targets are unchanged.
-    A LoRA wrapper (its frozen linear as `.base`) adds its own update to its part."""
+    decode step (calls, not arithmetic, most of its time) saves what the peer spends. Each
+    linear keeps its weight, as a view into the joined tensor, so checkpoint names, state_dict
+    and LoRA targets are unchanged. A LoRA wrapper (its frozen linear as `.base`) adds its own
+    update to its part.
+
+    Only where no gradient flows back through x (generation, evaluation): in a tune the joined
+    output's split and the gradients joined again in backward cost more than the one GEMM saves
+    (Qwen2.5-0.5B shape, float32, 2-core AMD EPYC: 83.2 tokens/s joined, 87.8 separate)."""
     linears = [getattr(module, n) for n in names]
     bases = [getattr(m, "base", m) for m in linears]
-    joined = _joined(module, bases)
+    joined = None if torch.is_grad_enabled() and x.requires_grad else _joined(module, bases)
     if joined is None:
         outs = [b(x) for b in bases]
     else:
