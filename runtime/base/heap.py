@@ -1,9 +1,10 @@
 """glibc's heap: handing its free pages back to the system.
 
-A load builds large temporaries (a GGUF's tokenizer as JSON, weights before they are joined)
-and frees them; glibc keeps what it freed for later allocations, so the process's resident
-memory stays at the load's high-water mark. malloc_trim releases every whole free page of the
-heap, not only its top. Elsewhere (macOS, musl) these are no-ops.
+A job's start builds large temporaries and frees them (a GGUF's tokenizer as JSON, then the
+weights' separate copies once joined); glibc keeps what it freed for later allocations, so the
+process's resident memory stays at that high-water mark. malloc_trim releases every whole free
+page of the heap, not only its top; the model loader calls it once, after the weights. Elsewhere
+(macOS, musl) these are no-ops.
 """
 
 from __future__ import annotations
