@@ -3,16 +3,9 @@
 Logits leave as numpy float32 (n, V): sampling and the greedy argmax are the generator's,
 the same code for every engine.
 
-A prefill computes only what the cache does not hold already, and in bounded pieces:
-- a prefix cache (vLLM's automatic prefix caching, one entry): the ids and the keys and values
-  of one recent prompt are kept; a prompt that starts with at least MIN_SHARED_PREFIX of those
-  ids has their keys and values copied into its slot and runs only the rest (rows of one
-  forward may resume from different positions: the model's mask takes each row's offset).
-  A group of prompts with a long common start the entry lacks runs that start once, for its
-  first row, and the others copy it;
-- chunks: a forward covers at most PREFILL_CHUNK_TOKENS tokens (rows x width), each piece of a
-  long prompt appending to the cache, so activations are bounded by the chunk, not by slots x
-  the longest prompt.
+A prefill computes only what the cache does not hold already, and in bounded pieces (a prefix
+cache of one entry, and chunks): runtime/engines/prefill.py decides what runs, for every engine;
+this decoder supplies the tensor operations.
 
 Two ways to decode a step, the same arithmetic row for row:
 - running rows only (a CPU's): the forward covers just the rows asked for, through a view of
@@ -29,28 +22,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runtime.engines.prefill import MIN_SHARED_PREFIX, PrefixPrefill, shared_prefix  # noqa: F401 (imported from here too)
 from runtime.models.memory import PREFILL_CHUNK_TOKENS
-
-# A prompt reuses the prefix cache's keys from this many shared tokens on. Below it the saving
-# is a few tokens of compute, while a reused start costs a copy of every layer's keys and
-# sends the forward through the explicit mask instead of plain causal attention; a chat
-# template's header alone is about this long, a system prompt far longer.
-MIN_SHARED_PREFIX = 16
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading ids a and b have in common."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if len(differ) else n
-
 
 # A decode step's shapes in steps (see TorchDecoder._padded): at most 31 masked keys and 7 idle
 # rows more, a small share of a step beside the weights every row's step reads.
 SPAN_STEP, ROW_STEP = 32, 8
 
 
-class TorchDecoder:
+class TorchDecoder(PrefixPrefill):
     """Batched prefill and decode over one KV cache of `slots` rows.
 
     `prefix_cache` and `chunk_tokens` switch the prefill's savings off (False; a chunk larger than
@@ -58,16 +38,15 @@ class TorchDecoder:
 
     def __init__(self, model, slots: int, max_len: int, every_slot: bool | None = None, prefix_cache: bool = True,
                  chunk_tokens: int = PREFILL_CHUNK_TOKENS):
+        super().__init__(max_len, prefix_cache, chunk_tokens)
         self.model = model
-        self.slots, self.max_len = slots, max_len
+        self.slots = slots
         self.cache = model.make_cache(slots, max_len)
         self.device = self.cache.k.device
         self.every_slot = self.device.type == "cuda" if every_slot is None else every_slot
         self.host_lengths = np.zeros(slots, dtype=np.int64)  # each slot's cached tokens, as the device has them
-        self.chunk_tokens = chunk_tokens
-        # The prefix cache's one entry: a prompt's ids and its keys and values, (layers, kv_heads,
-        # max_len, head_dim) each, allocated once (the memory plan counts one prompt of max_len tokens).
-        self.prefix_ids: list[int] = []
+        # The prefix cache's entry: its keys and values, (layers, kv_heads, max_len, head_dim) each,
+        # allocated once (the memory plan counts one prompt of max_len tokens).
         self.prefix_k = torch.zeros_like(self.cache.k[:, 0]) if prefix_cache else None
         self.prefix_v = torch.zeros_like(self.cache.v[:, 0]) if prefix_cache else None
 
@@ -78,66 +57,15 @@ class TorchDecoder:
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> np.ndarray:
         """Start each prompt in its slot (the slot's old keys are dropped); (n, V) logits at each prompt's end."""
-        self._share_group_prefix(slots, prompts)
-        logits = self._run(slots, prompts, [self._reuse(s, p) for s, p in zip(slots, prompts)])
-        self._remember(slots[0], prompts[0])
-        return logits
+        return super().prefill(slots, prompts)
 
-    def _share_group_prefix(self, slots: list[int], prompts: list[list[int]]) -> None:
-        """Where the prompts start alike for longer than the prefix cache holds, run that start once
-        (in the first row's slot) and cache it, so every row copies it."""
-        if self.prefix_k is None or len(prompts) < 2:
-            return
-        common = min(map(len, prompts)) - 1  # each row still runs its last token
-        for p in prompts[1:]:
-            common = shared_prefix(prompts[0][:common], p)
-        if common < MIN_SHARED_PREFIX or shared_prefix(self.prefix_ids, prompts[0]) >= common:
-            return
-        head = prompts[0][:common]
-        self._run(slots[:1], [head], [self._reuse(slots[0], head)])
-        self._remember(slots[0], head)
-
-    def _reuse(self, slot: int, prompt: list[int]) -> int:
-        """Copy the prefix cache's keys and values of the prompt's start into its slot; how many tokens (0: none)."""
-        if self.prefix_k is None:
-            return 0
-        n = min(shared_prefix(self.prefix_ids, prompt), len(prompt) - 1)  # the last token runs: its logits are needed
-        if n < MIN_SHARED_PREFIX:
-            return 0
+    def _from_entry(self, slot: int, n: int) -> None:
         self.cache.k[:, slot, :, :n] = self.prefix_k[:, :, :n]
         self.cache.v[:, slot, :, :n] = self.prefix_v[:, :, :n]
-        return n
 
-    def _remember(self, slot: int, prompt: list[int]) -> None:
-        """The prompt, prefilled in `slot`, becomes the prefix cache's entry (unless the entry holds it already)."""
-        if self.prefix_k is None or len(prompt) < MIN_SHARED_PREFIX or shared_prefix(self.prefix_ids, prompt) == len(prompt):
-            return
-        n = len(prompt)
+    def _to_entry(self, slot: int, n: int) -> None:
         self.prefix_k[:, :, :n] = self.cache.k[:, slot, :, :n]
         self.prefix_v[:, :, :n] = self.cache.v[:, slot, :, :n]
-        self.prefix_ids = list(prompt)
-
-    def _run(self, slots: list[int], prompts: list[list[int]], starts: list[int]) -> np.ndarray:
-        """Run each prompt from `starts` (the tokens its slot holds already) to its end, at most
-        chunk_tokens per forward; (n, V) logits at each prompt's last token."""
-        done, out = list(starts), [None] * len(prompts)
-        self._set_lengths(slots, done)  # the slots' old keys past these are masked out, no need to clear them
-        while active := [i for i, p in enumerate(prompts) if done[i] < len(p)]:
-            width = min(max(1, self.chunk_tokens // len(active)), max(len(prompts[i]) - done[i] for i in active),
-                        # Pad tokens are written past a row's end too: they must stay inside the cache.
-                        min(self.max_len - done[i] for i in active))
-            pieces = [prompts[i][done[i]: done[i] + width] for i in active]
-            hidden = self._forward([slots[i] for i in active], pieces, [done[i] for i in active], width)
-            ends = [n for n, i in enumerate(active) if done[i] + len(pieces[n]) == len(prompts[i])]
-            if ends:  # rows whose last token was in this piece: their logits
-                at = torch.tensor([[n, len(pieces[n]) - 1] for n in ends], device=self.device)
-                for n, row in zip(ends, self._host(self.model.logits(hidden[at[:, 0], at[:, 1]]))):
-                    out[active[n]] = row
-            for n, i in enumerate(active):
-                done[i] += len(pieces[n])
-            # Pad tokens were written past each piece's end: a length that stops at the piece hides them.
-            self._set_lengths([slots[i] for i in active], [done[i] for i in active])
-        return np.stack(out)
 
     def _forward(self, slots: list[int], pieces: list[list[int]], offsets: list[int], width: int) -> torch.Tensor:
         """The pieces right-padded into one forward, appended after each slot's `offsets` cached tokens; (n, width, D)."""
@@ -145,6 +73,10 @@ class TorchDecoder:
         view = self.cache.view(slots)
         view.next_span = max(offsets) + width
         return self.model.hidden_states(ids, cache=view)
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int], positions: list[int]) -> np.ndarray:
+        at = torch.tensor([rows, positions], device=self.device)
+        return self._host(self.model.logits(hidden[at[0], at[1]]))
 
     def _set_lengths(self, slots: list[int], lengths: list[int]) -> None:
         self.cache.lengths[torch.tensor(slots, device=self.device)] = torch.tensor(lengths, device=self.device)
