@@ -262,13 +262,14 @@ def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params
 # A row job's peak is what it holds before the model (the interpreter, the framework once
 # imported, the tokenizer and the rows: measured, not guessed, because the engine is open when
 # the plan is made), the base weights in the compute dtype, the KV cache the decoder
-# preallocates for every slot at the longest row (and the torch decoder's prefix cache: one
-# prompt's keys and values, max_len tokens), and the largest forward on top of them. On a CPU
-# the widest forward is a prefill: every slot starting at once, right-padded to one width, cut
-# into chunks of at most PREFILL_CHUNK_TOKENS tokens along the sequence, so the smaller of slots
-# x the longest prompt and a chunk bounds it; a decode step is one token a slot.
+# preallocates for every slot at the longest row (and the prefix cache, the same in the torch
+# and MLX decoders, runtime/engines/prefill.py: one prompt's keys and values, max_len tokens),
+# and the largest forward on top of them. On a CPU the widest forward is a prefill: every slot
+# starting at once, right-padded to one width, cut into chunks of at most PREFILL_CHUNK_TOKENS
+# tokens along the sequence, so the smaller of slots x the longest prompt and a chunk bounds it;
+# a decode step is one token a slot.
 
-# The tokens of one prefill forward (rows x width; the torch decoder's): activations grow with
+# The tokens of one prefill forward (rows x width; both engines' decoders): activations grow with
 # them, so longer prefills run in chunks, each appending to the KV cache. 2,048 tokens keep the
 # matmuls large enough that a forward's fixed cost is noise (vLLM's chunked prefill budgets
 # forwards in the same thousands of tokens), while one forward's activations stay about 0.1 GB
