@@ -31,6 +31,7 @@ then has no native bf16 kernels); llama.cpp stays the build made for this CPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.util
 import json
@@ -307,7 +308,24 @@ def run_spillpack(model: Path, rows: Path, batch: int, threads: int, max_tokens:
     gen_seconds = sum(tokens) / last["tokens_per_s"]  # the last row's rate covers the whole generation
     return {"side": "spillpack", "tokens": sum(tokens), "gen_s": gen_seconds, "tokens_per_s": sum(tokens) / gen_seconds,
             "wall_s": wall, "peak_rss": peak, "planned_gb": start.get("estimated_peak_gb"), "completions": completions,
-            "dtype": start.get("dtype")}
+            "dtype": start.get("dtype"), "budget": budget(start.get("memory_plan") or {})}
+
+
+@functools.cache
+def torch_import_rss() -> int:
+    """Peak RSS of a process that imports torch and nothing else, in bytes: issue 30's 'torch's own
+    import footprint' (its 224 MB figure was this, interpreter included)."""
+    out = subprocess.run([sys.executable, "-c", "import torch, resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out) * 1024
+
+
+def budget(plan: dict) -> int | None:
+    """Issue 30's memory budget for a run: torch's import + 1.25 x the weights in the compute dtype + the
+    KV cache the plan counted (GB in the plan are 2**30 bytes)."""
+    if "weights_gb" not in plan:
+        return None
+    return int(torch_import_rss() + (1.25 * plan["weights_gb"] + plan["kv_cache_gb"]) * 2**30)
 
 
 LLAMA_CHILD = r"""
@@ -347,16 +365,17 @@ def same_text(a: list[str], b: list[str]) -> str:
 
 
 def table(results: list[dict]) -> str:
-    head = ("| rows | side | model file | batch | tokens | tokens/s | generation s | wall s (with start-up) | peak RSS MB "
-            "| planned MB | vs llama.cpp Q4_1: speed, memory |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| rows | side | model file | batch | tokens | tokens/s | generation s | wall s (with start-up) | peak RSS MiB "
+            "| planned MiB | budget MiB | vs llama.cpp Q4_1: speed, memory |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in results:
         ref = next((x for x in results if x["side"] == "llama.cpp" and x["file"] == "Q4_1" and x["rows"] == r["rows"]
                     and x["round"] == r["round"]), None)
         ratio = (f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x, {r['peak_rss'] / ref['peak_rss']:.2f}x" if ref else "")
         planned = f"{r['planned_gb'] * 1024:.0f}" if r.get("planned_gb") else ""
+        budget_mb = f"{r['budget'] / 2**20:.0f}" if r.get("budget") else ""
         lines.append(f"| {r['rows']} | {r['side']} | {r['file']} | {r['batch']} | {r['tokens']} | {r['tokens_per_s']:.1f} "
-                     f"| {r['gen_s']:.1f} | {r['wall_s']:.1f} | {r['peak_rss'] / 2**20:.0f} | {planned} | {ratio} |")
+                     f"| {r['gen_s']:.1f} | {r['wall_s']:.1f} | {r['peak_rss'] / 2**20:.0f} | {planned} | {budget_mb} | {ratio} |")
     return "\n".join(lines)
 
 

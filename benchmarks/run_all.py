@@ -103,8 +103,9 @@ def rows(results: dict) -> list[str]:
                     and x["rows"] == r["rows"] and x["round"] == r["round"]), None)
         if ref:
             out.append(f"| `bench_llamacpp.py`: run SmolLM2-135M-Instruct Q4_1 GGUF, {r['rows']} rows, --batch {r['batch']} "
-                       f"({r.get('dtype')}) | {r['tokens_per_s']:.1f} tokens/s, {r['peak_rss'] / 2**20:.0f} MB | llama.cpp on the "
-                       f"same file, one stream: {ref['tokens_per_s']:.1f} tokens/s, {ref['peak_rss'] / 2**20:.0f} MB | "
+                       f"({r.get('dtype')}) | {r['tokens_per_s']:.1f} tokens/s, {r['peak_rss'] / 2**20:.0f} MiB"
+                       + (f" (budget {r['budget'] / 2**20:.0f})" if r.get("budget") else "") + " | llama.cpp on the "
+                       f"same file, one stream: {ref['tokens_per_s']:.1f} tokens/s, {ref['peak_rss'] / 2**20:.0f} MiB | "
                        f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x speed, {r['peak_rss'] / ref['peak_rss']:.2f}x memory |")
     return out
 
