@@ -101,10 +101,13 @@ class _TargetLoss(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             with torch.enable_grad():
                 h = hidden[s:s + chunk].detach().requires_grad_(True)
-                loss = F.cross_entropy(head(h).float(), targets[s:s + chunk], reduction="sum")  # (n, V) logits in float32
-                (g,) = torch.autograd.grad(loss, h, grad_scale)
+                out = head(h)  # (n, V) in the head's dtype
+            logits = out.detach().float()  # the same buffer on a float32 base
+            loss = cross_entropy_in_place(logits, targets[s:s + chunk], grad_scale)  # logits now hold the gradient
+            (g,) = torch.autograd.grad(out, h, logits.to(out.dtype))  # the head's backward reads its weight, not `out`
+            del out, logits
             grads.append(g)
-            total = loss.detach() if total is None else total + loss.detach()
+            total = loss if total is None else total + loss
         ctx.save_for_backward(torch.cat(grads) if len(grads) > 1 else grads[0], grad_scale)
         return total
 
@@ -116,12 +119,31 @@ class _TargetLoss(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def cross_entropy_in_place(logits: torch.Tensor, targets: torch.Tensor, grad_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """F.cross_entropy(logits, targets, reduction="sum") of float32 (n, V) logits, computed in their
+    own buffer; with `grad_scale` the buffer then holds the loss's gradient wrt the logits at that
+    scale, (softmax - one-hot) * grad_scale. One n x V buffer where cross_entropy and its autograd
+    keep four (the logits, the log-softmax and the gradients of both), so a chunk of the loss can
+    cover 4x the positions in the same memory. The same arithmetic as log_softmax: the loss is
+    max + log(sum(exp(x - max))) - x[target]."""
+    picked = logits.gather(1, targets[:, None]).squeeze(1)
+    top = logits.amax(-1, keepdim=True)
+    exps = logits.sub_(top).exp_()
+    sums = exps.sum(-1, keepdim=True)
+    loss = (top + sums.log()).squeeze(1).sub_(picked).sum()
+    if grad_scale is not None:
+        grad = exps.div_(sums)  # softmax
+        grad[torch.arange(len(targets), device=grad.device), targets] -= 1
+        grad.mul_(grad_scale)
+    return loss
+
+
 def target_loss(model, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, grad_scale: float = 1.0) -> torch.Tensor:
     """Summed cross-entropy of the positions with loss, hidden (N, D) and targets (N,), float32,
     `chunk` positions at a time (runtime.models.memory.loss_chunk). `grad_scale`: the gradient
     the caller's backward will bring to this loss (the step's 1/targets, times a loss scale)."""
     if not (torch.is_grad_enabled() and hidden.requires_grad):
-        return sum(F.cross_entropy(model.logits(hidden[s:s + chunk]).float(), targets[s:s + chunk], reduction="sum")
+        return sum(cross_entropy_in_place(model.logits(hidden[s:s + chunk]).float(), targets[s:s + chunk])
                    for s in range(0, hidden.shape[0], chunk))
     scale = torch.tensor(grad_scale, dtype=torch.float32, device=hidden.device)
     return _TargetLoss.apply(hidden, targets, model.logits, chunk, scale)
@@ -143,7 +165,9 @@ class TorchTrainSession:
         self.scaler = LossScaler() if engine.precision.loss_scaling else None
         self.model.train(spec.dropout > 0)
         self.pad_id = 0
-        self.loss_chunk = loss_chunk(self.model.args.vocab_size)  # target positions per chunk of the loss
+        # Target positions per chunk of the loss: cross_entropy_in_place holds the float32 logits,
+        # and on a 16-bit base the head's output and the gradient handed back to it.
+        self.loss_chunk = loss_chunk(self.model.args.vocab_size, 4 if engine.base_dtype == torch.float32 else 8)
 
     @property
     def grad_checkpoint(self) -> bool:
