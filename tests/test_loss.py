@@ -1,11 +1,11 @@
-"""The tune's loss, computed in the logits' own buffer (runtime/engines/torch/engine.py:
+"""The tune's loss, computed in the logits' own buffer (runtime/engines/torch/loss.py:
 cross_entropy_in_place and target_loss), held to torch's F.cross_entropy and its autograd."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.engines.torch.engine import cross_entropy_in_place, target_loss
+from runtime.engines.torch.loss import cross_entropy_in_place, target_loss
 
 
 def logits_and_targets(n=37, vocab=1003, seed=0):
