@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.engines.prefill import MIN_SHARED_PREFIX, PrefixPrefill, shared_prefix  # noqa: F401 (imported from here too)
+from runtime.engines.prefill import PrefixPrefill
 from runtime.models.memory import PREFILL_CHUNK_TOKENS
 
 # A decode step's shapes in steps (see TorchDecoder._padded): at most 31 masked keys and 7 idle
