@@ -21,6 +21,7 @@ none of them takes the plain path, unchanged.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -169,24 +170,50 @@ class Generator:
     def step(self) -> list[Result]:
         """Advance every active slot by one token; return the requests that finished."""
         finished: list[Result] = []
-        # Slots that are running now decode one token each...
+        # Slots that are running now decode one token each, and where the decoder can, the slots
+        # that were free start pending requests in the same forward (decode_and_prefill)...
         running = [i for i, r in enumerate(self.rows) if r is not None]
         if running:
+            free = [i for i, r in enumerate(self.rows) if r is None]
+            starting = self._starting(free)
+            if starting and self._packs(starting):
+                for _ in starting:
+                    self.pending.popleft()
+                slots = free[: len(starting)]
+                decoded, started = self.decoder.decode_and_prefill(
+                    running, [self.rows[i].tokens[-1] for i in running], slots, [r.prompt_ids for r in starting])
+                self._push(running, decoded, finished)
+                for slot, req in zip(slots, starting):
+                    self.rows[slot] = self._start_row(req)
+                self._push(slots, started, finished)
+                return finished
             logits = self.decoder.decode(running, [self.rows[i].tokens[-1] for i in running])
             self._push(running, logits, finished)
-        # ...and empty slots start pending requests, whose prefill yields their first token.
-        # One round per step, even when requests finish at their prefill: a step is the
+        # ...else empty slots start pending requests in a prefill, whose logits give their first
+        # token; a slot this step's decode freed waits for the next step where it can start inside
+        # it. One round per step, even when requests finish at their prefill: a step is the
         # quantum a preemption may abandon and after which rows are committed, so it stays bounded.
-        if self.pending and None in self.rows:
-            free = [i for i, r in enumerate(self.rows) if r is None]
-            starting = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
-            starting.sort(key=lambda r: len(r.prompt_ids))
+        free = [i for i, r in enumerate(self.rows) if r is None]
+        starting = self._starting(free)
+        if starting and not (len(free) < self.slots and self._packs(starting)):
+            for _ in starting:
+                self.pending.popleft()
             for group in self._prefill_groups(starting):
                 slots = [free.pop(0) for _ in group]
                 for slot, req in zip(slots, group):
                     self.rows[slot] = self._start_row(req)
                 self._push(slots, self.decoder.prefill(slots, [r.prompt_ids for r in group]), finished)
         return finished
+
+    def _starting(self, free: list[int]) -> list[Request]:
+        """The pending requests the free slots would take now, shortest prompt first (not yet taken)."""
+        return sorted(list(itertools.islice(self.pending, len(free))), key=lambda r: len(r.prompt_ids))
+
+    def _packs(self, starting: list[Request]) -> bool:
+        """Whether the decoder can start these requests inside a decode step (a torch decoder on a
+        CPU's float32 base can: runtime/engines/torch/decode.py)."""
+        packs = getattr(self.decoder, "packs", None)
+        return packs is not None and packs([r.prompt_ids for r in starting])
 
     def _prefill_groups(self, requests: list[Request]) -> list[list[Request]]:
         """Requests sorted by prompt length, split where right padding to the longest gets costly."""

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from runtime.engines.prefill import PrefixPrefill
+from runtime.engines.torch.models.attention import PackedStep
 from runtime.models.memory import PREFILL_CHUNK_TOKENS
 
 # A decode step's shapes in steps (see TorchDecoder._padded): at most 31 masked keys and 7 idle
@@ -34,16 +35,17 @@ class TorchDecoder(PrefixPrefill):
     """Batched prefill and decode over one KV cache of `slots` rows.
 
     `prefix_cache` and `chunk_tokens` switch the prefill's savings off (False; a chunk larger than
-    any prefill) for the oracles that check them."""
+    any prefill), and `pack=False` starting rows inside a decode step, for the oracles that check them."""
 
     def __init__(self, model, slots: int, max_len: int, every_slot: bool | None = None, prefix_cache: bool = True,
-                 chunk_tokens: int = PREFILL_CHUNK_TOKENS):
+                 chunk_tokens: int = PREFILL_CHUNK_TOKENS, pack: bool = True):
         super().__init__(max_len, prefix_cache, chunk_tokens)
         self.model = model
         self.slots = slots
         self.cache = model.make_cache(slots, max_len)
         self.device = self.cache.k.device
         self.every_slot = self.device.type == "cuda" if every_slot is None else every_slot
+        self.pack = pack
         self.host_lengths = np.zeros(slots, dtype=np.int64)  # each slot's cached tokens, as the device has them
         # The prefix cache's entry: its keys and values, (layers, kv_heads, max_len, head_dim) each,
         # allocated once (the memory plan counts one prompt of max_len tokens).
@@ -98,6 +100,32 @@ class TorchDecoder(PrefixPrefill):
             self.cache.lengths[rows[n:]] = 0
         self.host_lengths[slots] += 1
         return self._host(logits[:n])
+
+    def packs(self, prompts: list[list[int]]) -> bool:
+        """Whether these prompts may start inside the next decode step (decode_and_prefill): on a
+        CPU's float32 base, up to one chunk of tokens. Elsewhere the step's token count, which
+        varies with every prompt, would be a new GEMM shape each time: a bfloat16 base's oneDNN
+        primitives are kept per shape (memory), and a GPU decodes every slot in place."""
+        return (self.pack and not self.every_slot and self.cache.k.dtype == torch.float32
+                and sum(map(len, prompts)) <= self.chunk_tokens)
+
+    @torch.inference_mode()
+    def decode_and_prefill(self, slots: list[int], last: list[int], new_slots: list[int],
+                           prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """decode(slots, last) and prefill(new_slots, prompts) as one forward of their tokens packed
+        end to end (the model's PackedStep); (n, V) decode logits and (m, V) prefill logits."""
+        starts = [self._reuse(s, p) for s, p in zip(new_slots, prompts)]
+        lengths = self.host_lengths[slots].tolist()
+        pieces = [p[start:] for p, start in zip(prompts, starts)]
+        step = PackedStep(self.cache, slots, lengths, new_slots, starts, list(map(len, pieces)),
+                          self._span(max(lengths) + 1))
+        ids = torch.tensor(last + [t for p in pieces for t in p], device=self.device)[None]
+        hidden = self.model.hidden_states(ids, cache=step)[0]  # (N, D)
+        ends = list(range(len(slots))) + [at + n - 1 for _, _, n, at in step.parts]
+        logits = self._host(self.model.logits(hidden[torch.tensor(ends, device=self.device)]))
+        self._set_lengths(slots + new_slots, [n + 1 for n in lengths] + [len(p) for p in prompts])
+        self._remember(new_slots[0], prompts[0])
+        return logits[: len(slots)], logits[len(slots):]
 
     # On a bfloat16 (or float16) base a CPU's matmuls are oneDNN primitives, made and kept per
     # shape: the process grew about 1 MB with every new key span and 2-4 MB with every new row

@@ -13,6 +13,7 @@ from torch import nn
 
 from torch.utils.checkpoint import checkpoint
 
+from runtime.engines.torch.models.attention import KVCache, PackedStep, build_mask, decode_attention, decode_bias
 from runtime.models.args import ModelArgs, rope
 
 
@@ -65,52 +66,6 @@ def apply_rope(x, cos, sin):
         return x * cos + x.roll(r // 2, dims=-1) * sin
     rot, rest = x[..., :r], x[..., r:]
     return torch.cat([rot * cos + rot.roll(r // 2, dims=-1) * sin, rest], dim=-1)
-
-
-class KVCache:
-    """Preallocated keys and values for every layer, with one length per row.
-
-    Rows may hold sequences of different lengths (continuous batching); new tokens of row b
-    are written at positions lengths[b]..lengths[b]+T-1. Keys past a row's length are garbage
-    and are masked out by the model, so a slot can be reused without clearing it.
-    """
-
-    def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
-        shape = (args.num_hidden_layers, batch, args.num_key_value_heads, max_len, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        self.max_len = max_len
-        self.all_rows = torch.arange(batch, device=device)
-        self.index = None  # the slots a view covers (None: all of them, in order)
-        # The next forward's key span when the caller knows its rows' lengths on the host (the
-        # decoder does): reading it from `lengths` would stop the host until the device catches up.
-        self.next_span: int | None = None
-
-    def view(self, slots: list[int]) -> "KVCache":
-        """Some slots, in the given order, as one batch: writes land in this cache's storage.
-
-        The view's lengths are a copy (advanced indexing), so the caller stores them back
-        with `self.lengths[slots] = view.lengths` after a forward.
-        """
-        if slots == list(range(self.k.shape[1])):
-            return self
-        view = KVCache.__new__(KVCache)
-        view.k, view.v, view.max_len = self.k, self.v, self.max_len
-        view.index = torch.tensor(slots, device=self.k.device)
-        view.lengths = self.lengths[view.index]
-        view.next_span = None
-        return view
-
-    def write(self, layer: int, k, v, slots: torch.Tensor, span: int):
-        """Store k, v (B, kv_heads, T, head_dim) at `slots` (B, T); return keys/values up to `span`."""
-        rows = self.all_rows if self.index is None else self.index
-        # Advanced indices split by a slice put their dims first: the target is (B, T, kv_heads, head_dim).
-        self.k[layer][rows[:, None], :, slots] = k.transpose(1, 2)
-        self.v[layer][rows[:, None], :, slots] = v.transpose(1, 2)
-        if self.index is None:
-            return self.k[layer, :, :, :span], self.v[layer, :, :, :span]  # (B, kv_heads, S, head_dim)
-        return self.k[layer, :, :, :span][rows], self.v[layer, :, :, :span][rows]  # a gathered copy
 
 
 def joined_outputs(module: nn.Module, names: tuple[str, ...], x) -> list:
@@ -170,33 +125,6 @@ def join_linears(model: nn.Module) -> None:
                 _joined(module, [getattr(getattr(module, n), "base", getattr(module, n)) for n in names])
 
 
-def decode_attention(q, k, v, bias, scale):
-    """Attention of one query per row, (B, heads, 1, head_dim), over (B, kv_heads, S, head_dim);
-    `bias` (B * kv_heads, 1, S): 0 where a key is seen, -inf where not (`decode_bias`).
-
-    The same result as SDPA with the mask; on CPU, torch's flash kernel spends ~0.3 ms per call
-    on a single query, most of a small model's decode step, where these three ops take a tenth.
-    Rows and kv heads flattened into one batch make the cached keys (a slice of the cache) a
-    view that bmm reads in place, where a 4-d matmul copied them (tiny, 8 rows: 60 -> 22 us per
-    layer), and baddbmm scales and masks as it multiplies. On CUDA, SDPA with a boolean mask and
-    grouped kv heads falls back to its math kernel, which copies the keys and values out to
-    every query head; grouping the queries instead reads them once.
-    """
-    B, H, _, hd = q.shape
-    kv_heads, S = k.shape[1], k.shape[2]
-    q = q.reshape(B * kv_heads, H // kv_heads, hd)  # query heads grouped by the kv head they share
-    scores = torch.baddbmm(bias, q, k.reshape(B * kv_heads, S, hd).transpose(1, 2), alpha=scale)  # (B*kv, group, S)
-    return torch.bmm(scores.softmax(-1), v.reshape(B * kv_heads, S, hd)).view(B, H, 1, hd)
-
-
-def decode_bias(mask, kv_heads: int, dtype):
-    """`build_mask`'s (B, 1, 1, S) for one query per row, as decode_attention's additive
-    (B * kv_heads, 1, S) bias: made once per step, read by every layer."""
-    B, S = mask.shape[0], mask.shape[-1]
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return bias.expand(B, kv_heads, 1, S).reshape(B * kv_heads, 1, S)
-
-
 class Attention(nn.Module):
     joined = (("q_proj", "k_proj", "v_proj"),)  # linears computed as one GEMM (joined_outputs)
 
@@ -221,18 +149,24 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v
 
+    def attend(self, q, k, v, mask, cache, layer, slots, span):
+        """(B, heads, T, head_dim) attention output, the new keys stored in the cache first."""
+        if cache is not None:
+            k, v = cache.write(layer, k, v, slots, span)  # (B, kv_heads, S, head_dim)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
+        if q.shape[2] == 1 and cache is not None:
+            return decode_attention(q, k, v, mask, self.scale)  # mask: decode_bias's
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
+
     def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, span=None):
         B, T, _ = x.shape
         q, k, v = self.project(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.write(layer, k, v, slots, span)  # (B, kv_heads, S, head_dim)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
-        elif T == 1 and cache is not None:
-            out = decode_attention(q, k, v, mask, self.scale)  # mask: decode_bias's
+        if isinstance(cache, PackedStep):  # its parts' attention, each with its own mask
+            out = cache.attend(layer, q, k, v, self.scale, self.window)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
+            out = self.attend(q, k, v, mask, cache, layer, slots, span)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, heads*head_dim)
         return self.o_proj(out)
 
@@ -267,27 +201,6 @@ class TransformerBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def build_mask(T: int, S: int, offsets, attn_mask, device, window: int | None = None):
-    """Boolean (B, 1, T, S) mask, True where a query may attend a key.
-
-    Query t of row b sits at key index offsets[b] + t (offsets: tokens already cached) and sees
-    keys up to itself (with a sliding window, only the `window` keys ending at itself, as
-    transformers counts them: key index > query index - window). `attn_mask` (B, S), 1 for real tokens and 0 for padding, hides pad keys.
-    Every query keeps its own key even if it is padding, so no row is fully masked (softmax
-    over nothing is NaN, and a NaN in a pad row would poison gradients); pad rows' outputs are
-    never used.
-    """
-    q_idx = offsets[:, None] + torch.arange(T, device=device)[None, :]  # (B, T)
-    k_idx = torch.arange(S, device=device)  # (S,)
-    allowed = k_idx[None, None, :] <= q_idx[:, :, None]  # (B, T, S)
-    if window is not None:
-        allowed = allowed & (k_idx[None, None, :] > q_idx[:, :, None] - window)
-    if attn_mask is not None:
-        allowed = allowed & attn_mask.bool()[:, None, :]
-        allowed = allowed | (k_idx[None, None, :] == q_idx[:, :, None])
-    return allowed[:, None]  # (B, 1, T, S)
-
-
 class Embedding(nn.Embedding):
     """nn.Embedding without its random init: the model is built on the meta device and every
     weight is loaded over it, and normal_ on meta imports torch._dynamo (a second per process)."""
@@ -317,6 +230,8 @@ class LlamaModel(nn.Module):
         return self.embed_tokens(input_ids)  # (B, T, D)
 
     def forward(self, input_ids, positions=None, cache: KVCache | None = None, attn_mask=None):
+        if isinstance(cache, PackedStep):
+            return self._packed(input_ids, cache)
         B, T = input_ids.shape
         device = input_ids.device
         offsets = cache.lengths if cache is not None else torch.zeros(B, dtype=torch.long, device=device)
@@ -360,6 +275,16 @@ class LlamaModel(nn.Module):
                 x = layer(x, cos, sin, masks[layer.self_attn.window], cache, i, slots, span)
         if cache is not None:
             cache.lengths += T
+        return self.norm(x)
+
+    def _packed(self, input_ids, step: PackedStep):
+        """(1, N) packed token ids (PackedStep) -> (1, N, D); the step's attention stores the keys."""
+        x = self.embed(input_ids)
+        rotations = {t: r(step.positions, x.dtype) for t, r in self.rotary.items()}
+        x = x.float()  # the residual stream, as in forward
+        for i, layer in enumerate(self.layers):
+            cos, sin = rotations[layer.self_attn.layer_type]
+            x = layer(x, cos, sin, None, step, i)
         return self.norm(x)
 
 

@@ -1,0 +1,164 @@
+"""The attention pieces every torch family shares: the KV cache, the masks, the decode step's
+attention, and the packed step that starts prompts inside a decode step."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.models.args import ModelArgs
+
+
+class KVCache:
+    """Preallocated keys and values for every layer, with one length per row.
+
+    Rows may hold sequences of different lengths (continuous batching); new tokens of row b
+    are written at positions lengths[b]..lengths[b]+T-1. Keys past a row's length are garbage
+    and are masked out by the model, so a slot can be reused without clearing it.
+    """
+
+    def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
+        shape = (args.num_hidden_layers, batch, args.num_key_value_heads, max_len, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_len = max_len
+        self.all_rows = torch.arange(batch, device=device)
+        self.index = None  # the slots a view covers (None: all of them, in order)
+        # The next forward's key span when the caller knows its rows' lengths on the host (the
+        # decoder does): reading it from `lengths` would stop the host until the device catches up.
+        self.next_span: int | None = None
+
+    def view(self, slots: list[int]) -> "KVCache":
+        """Some slots, in the given order, as one batch: writes land in this cache's storage.
+
+        The view's lengths are a copy (advanced indexing), so the caller stores them back
+        with `self.lengths[slots] = view.lengths` after a forward.
+        """
+        if slots == list(range(self.k.shape[1])):
+            return self
+        view = KVCache.__new__(KVCache)
+        view.k, view.v, view.max_len = self.k, self.v, self.max_len
+        view.index = torch.tensor(slots, device=self.k.device)
+        view.lengths = self.lengths[view.index]
+        view.next_span = None
+        return view
+
+    def write(self, layer: int, k, v, slots: torch.Tensor, span: int):
+        """Store k, v (B, kv_heads, T, head_dim) at `slots` (B, T); return keys/values up to `span`."""
+        rows = self.all_rows if self.index is None else self.index
+        # Advanced indices split by a slice put their dims first: the target is (B, T, kv_heads, head_dim).
+        self.k[layer][rows[:, None], :, slots] = k.transpose(1, 2)
+        self.v[layer][rows[:, None], :, slots] = v.transpose(1, 2)
+        if self.index is None:
+            return self.k[layer, :, :, :span], self.v[layer, :, :, :span]  # (B, kv_heads, S, head_dim)
+        return self.k[layer, :, :, :span][rows], self.v[layer, :, :, :span][rows]  # a gathered copy
+
+
+class PackedStep:
+    """One forward whose tokens are packed end to end as one (1, N) sequence, no padding: first one
+    token for each decoding row, then the piece of each prompt starting in its slot. A decode step
+    and the prefill of the rows that start beside it share every linear, norm and MLP call; only
+    attention runs per part, the decoding rows together (decode_attention) and each piece on its
+    own (SDPA, causal from its offset). On a small model, whose step is op calls more than
+    arithmetic, this takes a whole forward per started row out of continuous batching.
+
+    `lengths`: each decoding row's cached tokens; `starts`: each piece's (its prefix reuse);
+    `span`: the keys the decoding rows attend (the decoder rounds it)."""
+
+    def __init__(self, cache: KVCache, slots: list[int], lengths: list[int], new_slots: list[int],
+                 starts: list[int], pieces: list[int], span: int):
+        device = cache.k.device
+        self.cache, self.decoding, self.span = cache, len(slots), span
+        rows, positions = list(slots), list(lengths)
+        self.parts = []  # (slot, start, tokens, index of its first token in the packed sequence)
+        for slot, start, n in zip(new_slots, starts, pieces):
+            self.parts.append((slot, start, n, len(rows)))
+            rows += [slot] * n
+            positions += range(start, start + n)
+        self.rows = torch.tensor(rows, device=device)
+        self.positions = torch.tensor(positions, device=device)[None]  # (1, N): rotary positions too
+        self.slot_index = torch.tensor(slots, device=device)
+        self.lengths = torch.tensor(lengths, device=device)
+        self._masks = {}
+
+    def _masks_for(self, window, dtype, kv_heads):
+        """(decode_bias of the decoding rows, one SDPA mask or None per piece), made once per step."""
+        key = (window, dtype)
+        if key not in self._masks:
+            device = self.rows.device
+            bias = None
+            if self.decoding:
+                bias = decode_bias(build_mask(1, self.span, self.lengths, None, device, window), kv_heads, dtype)
+            pieces = [None if start == 0 and (window is None or window >= n)
+                      else build_mask(n, start + n, torch.tensor([start], device=device), None, device, window)
+                      for _, start, n, _ in self.parts]
+            self._masks[key] = bias, pieces
+        return self._masks[key]
+
+    def attend(self, layer: int, q, k, v, scale: float, window):
+        """Store this step's keys and values in the cache, then each part's attention; (1, heads, N, head_dim)."""
+        self.cache.k[layer][self.rows, :, self.positions[0]] = k[0].transpose(0, 1)  # (N, kv_heads, head_dim)
+        self.cache.v[layer][self.rows, :, self.positions[0]] = v[0].transpose(0, 1)
+        bias, masks = self._masks_for(window, q.dtype, k.shape[1])
+        outs = []
+        if self.decoding:
+            n = self.decoding
+            keys = self.cache.k[layer, :, :, :self.span][self.slot_index]
+            values = self.cache.v[layer, :, :, :self.span][self.slot_index]
+            out = decode_attention(q[0, :, :n].transpose(0, 1).unsqueeze(2), keys, values, bias, scale)  # (n, H, 1, hd)
+            outs.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))
+        for (slot, start, n, at), mask in zip(self.parts, masks):
+            keys = self.cache.k[layer, slot:slot + 1, :, :start + n]
+            values = self.cache.v[layer, slot:slot + 1, :, :start + n]
+            outs.append(F.scaled_dot_product_attention(q[:, :, at:at + n], keys, values, attn_mask=mask,
+                                                       is_causal=mask is None, enable_gqa=True, scale=scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def decode_attention(q, k, v, bias, scale):
+    """Attention of one query per row, (B, heads, 1, head_dim), over (B, kv_heads, S, head_dim);
+    `bias` (B * kv_heads, 1, S): 0 where a key is seen, -inf where not (`decode_bias`).
+
+    The same result as SDPA with the mask; on CPU, torch's flash kernel spends ~0.3 ms per call
+    on a single query, most of a small model's decode step, where these three ops take a tenth.
+    Rows and kv heads flattened into one batch make the cached keys (a slice of the cache) a
+    view that bmm reads in place, where a 4-d matmul copied them (tiny, 8 rows: 60 -> 22 us per
+    layer), and baddbmm scales and masks as it multiplies. On CUDA, SDPA with a boolean mask and
+    grouped kv heads falls back to its math kernel, which copies the keys and values out to
+    every query head; grouping the queries instead reads them once.
+    """
+    B, H, _, hd = q.shape
+    kv_heads, S = k.shape[1], k.shape[2]
+    q = q.reshape(B * kv_heads, H // kv_heads, hd)  # query heads grouped by the kv head they share
+    scores = torch.baddbmm(bias, q, k.reshape(B * kv_heads, S, hd).transpose(1, 2), alpha=scale)  # (B*kv, group, S)
+    return torch.bmm(scores.softmax(-1), v.reshape(B * kv_heads, S, hd)).view(B, H, 1, hd)
+
+
+def decode_bias(mask, kv_heads: int, dtype):
+    """`build_mask`'s (B, 1, 1, S) for one query per row, as decode_attention's additive
+    (B * kv_heads, 1, S) bias: made once per step, read by every layer."""
+    B, S = mask.shape[0], mask.shape[-1]
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.expand(B, kv_heads, 1, S).reshape(B * kv_heads, 1, S)
+
+
+def build_mask(T: int, S: int, offsets, attn_mask, device, window: int | None = None):
+    """Boolean (B, 1, T, S) mask, True where a query may attend a key.
+
+    Query t of row b sits at key index offsets[b] + t (offsets: tokens already cached) and sees
+    keys up to itself (with a sliding window, only the `window` keys ending at itself, as
+    transformers counts them: key index > query index - window). `attn_mask` (B, S), 1 for real tokens and 0 for padding, hides pad keys.
+    Every query keeps its own key even if it is padding, so no row is fully masked (softmax
+    over nothing is NaN, and a NaN in a pad row would poison gradients); pad rows' outputs are
+    never used.
+    """
+    q_idx = offsets[:, None] + torch.arange(T, device=device)[None, :]  # (B, T)
+    k_idx = torch.arange(S, device=device)  # (S,)
+    allowed = k_idx[None, None, :] <= q_idx[:, :, None]  # (B, T, S)
+    if window is not None:
+        allowed = allowed & (k_idx[None, None, :] > q_idx[:, :, None] - window)
+    if attn_mask is not None:
+        allowed = allowed & attn_mask.bool()[:, None, :]
+        allowed = allowed | (k_idx[None, None, :] == q_idx[:, :, None])
+    return allowed[:, None]  # (B, 1, T, S)

@@ -1,0 +1,150 @@
+"""The torch decoder's packed step (runtime/engines/torch/models/attention.py's PackedStep): the
+rows that start while others decode run inside the decode step's forward, their tokens packed end
+to end. Held to the oracle of a decode and then a prefill (float32, 1e-4), on tiny and on a random
+Mistral whose sliding window is shorter than the prompts, through every family's forward, and
+through the Generator: greedy tokens identical with packing on and off.
+"""
+
+import numpy as np
+import pytest
+
+from runtime.engines.generation import Generator, Request
+from runtime.engines.prefill import MIN_SHARED_PREFIX
+from runtime.engines.torch.decode import TorchDecoder
+from runtime.engines.torch.models import load_model
+from runtime.models.ref import resolve_model
+from runtime.models.tiny import ensure_tiny
+from runtime.models.tokenizer import Tokenizer
+from tests.support.hf_fixtures import WINDOW, make_family
+
+TOL = 1e-4
+OFF = dict(pack=False, prefix_cache=False, chunk_tokens=10**9)  # the oracle: decode, then prefill whole
+
+
+def ids(rng, n):
+    return rng.integers(5, 990, size=n).tolist()
+
+
+class Counting(TorchDecoder):
+    """The decoder, counting its packed steps."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.packed = 0
+
+    def decode_and_prefill(self, *a):
+        self.packed += 1
+        return super().decode_and_prefill(*a)
+
+
+@pytest.fixture(scope="module", params=["tiny", "mistral"])
+def model_dir(request, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPILLPACK_HOME", str(tmp_path_factory.mktemp("home")))
+        if request.param == "tiny":
+            return resolve_model(str(ensure_tiny()))
+        path, _ = make_family("mistral", tmp_path_factory.mktemp("mistral") / "m")
+        return resolve_model(str(path))
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_model(model_dir)
+
+
+def same_steps(a, b, slots, steps=3):
+    """Decode a few steps on both decoders: the caches they hold agree."""
+    for t in range(steps):
+        last = [7 + t + s for s in slots]
+        np.testing.assert_allclose(a.decode(slots, last), b.decode(slots, last), atol=TOL)
+
+
+def packed_against_oracle(model, running, starting, slots=5, max_len=96):
+    """Prefill `running` in slots 0.., decode one step, then one packed step that decodes them and
+    starts `starting` in the next slots; every logit held to the oracle's decode then prefill."""
+    ours, oracle = Counting(model, slots, max_len), TorchDecoder(model, slots, max_len, **OFF)
+    old = list(range(len(running)))
+    new = list(range(len(running), len(running) + len(starting)))
+    for dec in (ours, oracle):
+        dec.prefill(old, running)
+        dec.decode(old, [11 + s for s in old])
+    assert ours.packs(starting)
+    last = [21 + s for s in old]
+    decoded, started = ours.decode_and_prefill(old, last, new, starting)
+    np.testing.assert_allclose(decoded, oracle.decode(old, last), atol=TOL)
+    np.testing.assert_allclose(started, oracle.prefill(new, starting), atol=TOL)
+    assert list(ours.host_lengths[old + new]) == [len(p) + 2 for p in running] + list(map(len, starting))
+    same_steps(ours, oracle, old + new)
+    return ours
+
+
+def test_a_packed_step_matches_decode_then_prefill(model):
+    rng = np.random.default_rng(0)
+    running = [ids(rng, 30), ids(rng, 5), ids(rng, 17)]  # rows of different lengths, longer than the window
+    starting = [ids(rng, 3), ids(rng, 25)]
+    assert max(map(len, starting)) > WINDOW  # a piece's sliding layer slides within the piece
+    packed_against_oracle(model, running, starting, slots=6)
+
+
+def test_a_packed_piece_resumes_from_the_prefix_entry(model):
+    """A new row that shares the entry's start runs only its tail, from an offset, inside the step."""
+    rng = np.random.default_rng(1)
+    head = ids(rng, 40)
+    running = [head + ids(rng, 6), ids(rng, 9)]  # the first becomes the entry
+    starting = [ids(rng, 4), head + ids(rng, 7), head[:MIN_SHARED_PREFIX + 2]]
+    ours = packed_against_oracle(model, running, starting, slots=5)
+    assert ours.prefix_ids == running[0]  # the entry still holds the longer prompt's start
+
+
+def test_a_slot_reused_by_a_packed_step(model):
+    """A released slot's old keys (a longer prompt) stay masked out when a packed piece takes it."""
+    rng = np.random.default_rng(2)
+    ours, oracle = TorchDecoder(model, 2, 64), TorchDecoder(model, 2, 64, **OFF)
+    long, other, short = ids(rng, 40), ids(rng, 12), ids(rng, 6)
+    for dec in (ours, oracle):
+        dec.prefill([0, 1], [long, other])
+        dec.release(0)
+    decoded, started = ours.decode_and_prefill([1], [5], [0], [short])
+    np.testing.assert_allclose(decoded, oracle.decode([1], [5]), atol=TOL)
+    np.testing.assert_allclose(started, oracle.prefill([0], [short]), atol=TOL)
+    same_steps(ours, oracle, [0, 1], steps=4)
+
+
+def test_packing_is_off_where_it_would_cost(model):
+    dec = TorchDecoder(model, 4, 64, chunk_tokens=16)
+    assert dec.packs([[1] * 10, [2] * 6]) and not dec.packs([[1] * 10, [2] * 7])  # past one chunk: a prefill
+    assert not TorchDecoder(model, 4, 64, pack=False).packs([[1]])
+    assert not TorchDecoder(model, 4, 64, every_slot=True).packs([[1]])  # a GPU decodes every slot in place
+
+
+def test_greedy_generation_is_token_identical_with_packing_on_and_off(model, model_dir):
+    tok = Tokenizer.from_dir(model_dir.path)
+    tok.eos_token_ids = frozenset()  # random weights: every row runs to its own max_tokens
+    rng = np.random.default_rng(3)
+    head = ids(rng, 30)
+    prompts = [ids(rng, n) for n in (12, 3, 40, 7, 19, 1, 26, 9)] + [head + ids(rng, n) for n in (2, 14, 5)]
+    limits = [int(n) for n in rng.integers(1, 12, size=len(prompts))]  # rows finish at different steps
+    runs = {}
+    for pack in (False, True):
+        dec = Counting(model, 3, max(map(len, prompts)) + max(limits), pack=pack)
+        gen = Generator(dec, tok)
+        for i, (p, n) in enumerate(zip(prompts, limits)):
+            gen.add(Request(str(i), p, n, 0.0, 1.0, 0))
+        done = {}
+        while gen.active:  # 3 slots for 11 rows: slots refill mid-run
+            done.update((r.key, r.tokens) for r in gen.step())
+        runs[pack] = [done[str(i)] for i in range(len(prompts))], dec.packed
+    assert runs[True][0] == runs[False][0]
+    assert [len(t) for t in runs[True][0]] == limits
+    assert runs[False][1] == 0 and runs[True][1] >= 3  # rows really started inside decode steps
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3", "qwen3", "qwen3-window", "qwen3_moe"])
+def test_every_family_through_a_packed_step(family, tmp_path, monkeypatch):
+    """Each model file's layers over a packed sequence: Gemma 3's sliding and full layers with
+    their own rotations, Phi-3's partial rotary, Qwen3's q/k norms and window, the MoE router."""
+    monkeypatch.setenv("SPILLPACK_HOME", str(tmp_path / "home"))
+    path, _ = make_family(family, tmp_path / family)
+    model = load_model(resolve_model(str(path)))
+    rng = np.random.default_rng(4)
+    packed_against_oracle(model, [ids(rng, 20), ids(rng, 6)], [ids(rng, 13), ids(rng, 2)], slots=4, max_len=48)
