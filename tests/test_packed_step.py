@@ -26,11 +26,15 @@ def ids(rng, n):
 
 
 class Counting(TorchDecoder):
-    """The decoder, counting its packed steps."""
+    """The decoder, counting its packed steps and recording its prefill forwards (rows, width, offsets)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self.packed = 0
+        self.packed, self.forwards = 0, []
+
+    def _forward(self, slots, pieces, offsets, width):
+        self.forwards.append((len(slots), width, list(offsets)))
+        return super()._forward(slots, pieces, offsets, width)
 
     def decode_and_prefill(self, *a):
         self.packed += 1
@@ -68,7 +72,7 @@ def packed_against_oracle(model, running, starting, slots=5, max_len=96):
     for dec in (ours, oracle):
         dec.prefill(old, running)
         dec.decode(old, [11 + s for s in old])
-    assert ours.packs(starting)
+    assert ours.packs(starting, len(running))
     last = [21 + s for s in old]
     decoded, started = ours.decode_and_prefill(old, last, new, starting)
     np.testing.assert_allclose(decoded, oracle.decode(old, last), atol=TOL)
@@ -84,6 +88,20 @@ def test_a_packed_step_matches_decode_then_prefill(model):
     starting = [ids(rng, 3), ids(rng, 25)]
     assert max(map(len, starting)) > WINDOW  # a piece's sliding layer slides within the piece
     packed_against_oracle(model, running, starting, slots=6)
+
+
+def test_with_no_row_decoding_a_packed_step_is_a_prefill_without_padding(model):
+    """Prompts of different lengths as one packed forward; the group's long common start runs once."""
+    rng = np.random.default_rng(5)
+    head = ids(rng, 30)
+    prompts = [head + ids(rng, 2), head + ids(rng, 19), head + ids(rng, 7)]
+    ours, oracle = Counting(model, 4, 64), TorchDecoder(model, 4, 64, **OFF)
+    decoded, started = ours.decode_and_prefill([], [], [3, 0, 1], prompts)
+    assert decoded.shape[0] == 0
+    np.testing.assert_allclose(started, oracle.prefill([3, 0, 1], prompts), atol=TOL)
+    assert ours.forwards == [(1, 30, [0])]  # the common start ran once, then the rest packed
+    assert ours.prefix_ids == prompts[0]
+    same_steps(ours, oracle, [3, 0, 1])
 
 
 def test_a_packed_piece_resumes_from_the_prefix_entry(model):
@@ -112,9 +130,10 @@ def test_a_slot_reused_by_a_packed_step(model):
 
 def test_packing_is_off_where_it_would_cost(model):
     dec = TorchDecoder(model, 4, 64, chunk_tokens=16)
-    assert dec.packs([[1] * 10, [2] * 6]) and not dec.packs([[1] * 10, [2] * 7])  # past one chunk: a prefill
-    assert not TorchDecoder(model, 4, 64, pack=False).packs([[1]])
-    assert not TorchDecoder(model, 4, 64, every_slot=True).packs([[1]])  # a GPU decodes every slot in place
+    # Past one chunk, the decoding rows' tokens counted: a prefill.
+    assert dec.packs([[1] * 10, [2] * 4], 2) and not dec.packs([[1] * 10, [2] * 5], 2)
+    assert not TorchDecoder(model, 4, 64, pack=False).packs([[1]], 0)
+    assert not TorchDecoder(model, 4, 64, every_slot=True).packs([[1]], 0)  # a GPU decodes every slot in place
 
 
 def test_greedy_generation_is_token_identical_with_packing_on_and_off(model, model_dir):

@@ -170,32 +170,34 @@ class Generator:
     def step(self) -> list[Result]:
         """Advance every active slot by one token; return the requests that finished."""
         finished: list[Result] = []
-        # Slots that are running now decode one token each, and where the decoder can, the slots
-        # that were free start pending requests in the same forward (decode_and_prefill)...
         running = [i for i, r in enumerate(self.rows) if r is not None]
-        if running:
-            free = [i for i, r in enumerate(self.rows) if r is None]
-            starting = self._starting(free)
-            if starting and self._packs(starting):
-                for _ in starting:
-                    self.pending.popleft()
-                slots = free[: len(starting)]
-                decoded, started = self.decoder.decode_and_prefill(
-                    running, [self.rows[i].tokens[-1] for i in running], slots, [r.prompt_ids for r in starting])
-                self._push(running, decoded, finished)
-                for slot, req in zip(slots, starting):
-                    self.rows[slot] = self._start_row(req)
-                self._push(slots, started, finished)
-                return finished
-            logits = self.decoder.decode(running, [self.rows[i].tokens[-1] for i in running])
-            self._push(running, logits, finished)
-        # ...else empty slots start pending requests in a prefill, whose logits give their first
-        # token; a slot this step's decode freed waits for the next step where it can start inside
-        # it. One round per step, even when requests finish at their prefill: a step is the
-        # quantum a preemption may abandon and after which rows are committed, so it stays bounded.
         free = [i for i, r in enumerate(self.rows) if r is None]
         starting = self._starting(free)
-        if starting and not (len(free) < self.slots and self._packs(starting)):
+        # Where the decoder can, the requests that free slots take start inside the running rows'
+        # decode step, one forward for both (decode_and_prefill; with no row running, a prefill
+        # of the prompts packed end to end, without padding)...
+        if starting and self._packs(starting, len(running)):
+            for _ in starting:
+                self.pending.popleft()
+            slots = free[: len(starting)]
+            decoded, started = self.decoder.decode_and_prefill(
+                running, [self.rows[i].tokens[-1] for i in running], slots, [r.prompt_ids for r in starting])
+            self._push(running, decoded, finished)
+            for slot, req in zip(slots, starting):
+                self.rows[slot] = self._start_row(req)
+            self._push(slots, started, finished)
+            return finished
+        # ...else the running rows decode one token each, and empty slots start pending requests
+        # in a prefill, whose logits give their first token. A slot this step's decode freed waits
+        # for the next step where its request can start inside that step's forward. One round per
+        # step, even when requests finish at their prefill: a step is the quantum a preemption may
+        # abandon and after which rows are committed, so it stays bounded.
+        if running:
+            logits = self.decoder.decode(running, [self.rows[i].tokens[-1] for i in running])
+            self._push(running, logits, finished)
+        free = [i for i, r in enumerate(self.rows) if r is None]
+        starting = self._starting(free)
+        if starting and not self._packs(starting, self.slots - len(free)):
             for _ in starting:
                 self.pending.popleft()
             for group in self._prefill_groups(starting):
@@ -209,11 +211,11 @@ class Generator:
         """The pending requests the free slots would take now, shortest prompt first (not yet taken)."""
         return sorted(list(itertools.islice(self.pending, len(free))), key=lambda r: len(r.prompt_ids))
 
-    def _packs(self, starting: list[Request]) -> bool:
-        """Whether the decoder can start these requests inside a decode step (a torch decoder on a
-        CPU's float32 base can: runtime/engines/torch/decode.py)."""
+    def _packs(self, starting: list[Request], decoding: int) -> bool:
+        """Whether the decoder can start these requests inside a decode step of `decoding` rows (a
+        torch decoder on a CPU's float32 base can: runtime/engines/torch/decode.py)."""
         packs = getattr(self.decoder, "packs", None)
-        return packs is not None and packs([r.prompt_ids for r in starting])
+        return packs is not None and packs([r.prompt_ids for r in starting], decoding)
 
     def _prefill_groups(self, requests: list[Request]) -> list[list[Request]]:
         """Requests sorted by prompt length, split where right padding to the longest gets costly."""

@@ -101,24 +101,27 @@ class TorchDecoder(PrefixPrefill):
         self.host_lengths[slots] += 1
         return self._host(logits[:n])
 
-    def packs(self, prompts: list[list[int]]) -> bool:
-        """Whether these prompts may start inside the next decode step (decode_and_prefill): on a
-        CPU's float32 base, up to one chunk of tokens. Elsewhere the step's token count, which
-        varies with every prompt, would be a new GEMM shape each time: a bfloat16 base's oneDNN
-        primitives are kept per shape (memory), and a GPU decodes every slot in place."""
+    def packs(self, prompts: list[list[int]], decoding: int) -> bool:
+        """Whether these prompts may start inside the next decode step of `decoding` rows
+        (decode_and_prefill): on a CPU's float32 base, up to one chunk of tokens in all. Elsewhere
+        the step's token count, which varies with every prompt, would be a new GEMM shape each
+        time: a bfloat16 base's oneDNN primitives are kept per shape (memory), and a GPU decodes
+        every slot in place."""
         return (self.pack and not self.every_slot and self.cache.k.dtype == torch.float32
-                and sum(map(len, prompts)) <= self.chunk_tokens)
+                and sum(map(len, prompts)) + decoding <= self.chunk_tokens)
 
     @torch.inference_mode()
     def decode_and_prefill(self, slots: list[int], last: list[int], new_slots: list[int],
                            prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """decode(slots, last) and prefill(new_slots, prompts) as one forward of their tokens packed
-        end to end (the model's PackedStep); (n, V) decode logits and (m, V) prefill logits."""
+        end to end (the model's PackedStep); (n, V) decode logits and (m, V) prefill logits. With
+        no slots decoding, a prefill without padding."""
+        self._share_group_prefix(new_slots, prompts)
         starts = [self._reuse(s, p) for s, p in zip(new_slots, prompts)]
         lengths = self.host_lengths[slots].tolist()
         pieces = [p[start:] for p, start in zip(prompts, starts)]
         step = PackedStep(self.cache, slots, lengths, new_slots, starts, list(map(len, pieces)),
-                          self._span(max(lengths) + 1))
+                          self._span(max(lengths, default=0) + 1))
         ids = torch.tensor(last + [t for p in pieces for t in p], device=self.device)[None]
         hidden = self.model.hidden_states(ids, cache=step)[0]  # (N, D)
         ends = list(range(len(slots))) + [at + n - 1 for _, _, n, at in step.parts]
