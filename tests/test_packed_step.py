@@ -13,9 +13,9 @@ from runtime.engines.prefill import MIN_SHARED_PREFIX
 from runtime.engines.torch.decode import TorchDecoder
 from runtime.engines.torch.models import load_model
 from runtime.models.ref import resolve_model
-from runtime.models.tiny import ensure_tiny
 from runtime.models.tokenizer import Tokenizer
 from tests.support.hf_fixtures import WINDOW, make_family
+from tests.test_prefix_prefill import model_dir  # noqa: F401  (a fixture: tiny and a sliding-window Mistral)
 
 TOL = 1e-4
 OFF = dict(pack=False, prefix_cache=False, chunk_tokens=10**9)  # the oracle: decode, then prefill whole
@@ -39,16 +39,6 @@ class Counting(TorchDecoder):
     def decode_and_prefill(self, *a):
         self.packed += 1
         return super().decode_and_prefill(*a)
-
-
-@pytest.fixture(scope="module", params=["tiny", "mistral"])
-def model_dir(request, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPILLPACK_HOME", str(tmp_path_factory.mktemp("home")))
-        if request.param == "tiny":
-            return resolve_model(str(ensure_tiny()))
-        path, _ = make_family("mistral", tmp_path_factory.mktemp("mistral") / "m")
-        return resolve_model(str(path))
 
 
 @pytest.fixture(scope="module")
