@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from runtime.engines.prefill import PrefixPrefill
-from runtime.engines.torch.models.attention import PackedStep
+from runtime.engines.torch.models.attention import PackedStep, zeros
 from runtime.models.memory import PREFILL_CHUNK_TOKENS
 
 # A decode step's shapes in steps (see TorchDecoder._padded): at most 31 masked keys and 7 idle
@@ -49,8 +49,9 @@ class TorchDecoder(PrefixPrefill):
         self.host_lengths = np.zeros(slots, dtype=np.int64)  # each slot's cached tokens, as the device has them
         # The prefix cache's entry: its keys and values, (layers, kv_heads, max_len, head_dim) each,
         # allocated once (the memory plan counts one prompt of max_len tokens).
-        self.prefix_k = torch.zeros_like(self.cache.k[:, 0]) if prefix_cache else None
-        self.prefix_v = torch.zeros_like(self.cache.v[:, 0]) if prefix_cache else None
+        entry = (self.cache.k.shape[0], *self.cache.k.shape[2:])
+        self.prefix_k = zeros(entry, self.cache.k.dtype, self.device) if prefix_cache else None
+        self.prefix_v = zeros(entry, self.cache.v.dtype, self.device) if prefix_cache else None
 
     @staticmethod
     def _host(logits: torch.Tensor) -> np.ndarray:

@@ -3,10 +3,30 @@ attention, and the packed step that starts prompts inside a decode step."""
 
 from __future__ import annotations
 
+import mmap
+import math
+
 import torch
 import torch.nn.functional as F
 
 from runtime.models.args import ModelArgs
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed tensor whose CPU pages become resident only when written.
+
+    torch.zeros writes every byte, so a cache planned for the longest row in every slot is
+    resident in full from the start. A private anonymous mapping starts as the kernel's zero
+    page: positions no row writes cost no memory, even where a decode step's key span reads
+    them. (Not mmap's default, a shared mapping, whose pages are allocated on a read; nor numpy's
+    calloc, which asks for transparent huge pages, so one write faults in 2 MB.)"""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor holds the mapping alive (frombuffer keeps a reference to its buffer).
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=dtype).view(shape)
 
 
 class KVCache:
@@ -19,8 +39,8 @@ class KVCache:
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, dtype=torch.float32, device="cpu"):
         shape = (args.num_hidden_layers, batch, args.num_key_value_heads, max_len, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros(shape, dtype, device)
+        self.v = zeros(shape, dtype, device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_len = max_len
         self.all_rows = torch.arange(batch, device=device)
