@@ -259,11 +259,11 @@ def test_fingerprint_is_cheap_and_sensitive(tmp_path):
 
 
 def test_joined_projections_keep_the_checkpoint_and_equal_separate_linears(tmp_path):
-    """q/k/v and gate/up run as one GEMM each (llama.joined_outputs), over weights that stay the
+    """q/k/v and gate/up run as one GEMM each (layout.joined_outputs), over weights that stay the
     checkpoint's tensors by name and value; a model moved to another dtype joins again."""
     from safetensors.torch import load_file
 
-    from runtime.engines.torch.models.llama import joined_outputs
+    from runtime.engines.torch.models.layout import joined_outputs
 
     path, hf = make_qwen2(tmp_path / "q")  # q/k/v biases too
     ours = load_model(resolve_model(str(path)))
@@ -292,3 +292,38 @@ def test_joined_projections_keep_the_checkpoint_and_equal_separate_linears(tmp_p
         got, expected = ours(ids), loaded(ids)
     assert attn.__dict__["joined_linears"][1][0].dtype == torch.bfloat16
     assert torch.equal(got, expected)
+
+
+def test_transposed_storage_keeps_every_weight_and_the_logits(tmp_path):
+    """store_transposed (a float32 CPU base's generation): every linear weight and the tied head is
+    the checkpoint's tensor by value, lying as (in, out) in memory; the joined q/k/v and gate/up keep
+    that layout; logits match the plain layout within float32 rounding, in a prefill and in decode
+    steps through the KV cache, and the engine's load_model picks it on a float32 CPU base."""
+    from runtime.engines.registry import get_engine
+
+    from runtime.models.tiny import ensure_tiny
+
+    tied = load_model(resolve_model(str(ensure_tiny())), transposed=True)
+    assert tied.lm_head is None and tied.model.embed_tokens.weight.t().is_contiguous()
+    path, hf = make_qwen2(tmp_path / "q")  # q/k/v biases, a head of its own
+    model_dir = resolve_model(str(path))
+    plain, moved = load_model(model_dir), load_model(model_dir, transposed=True)
+    assert moved.lm_head.weight.t().is_contiguous() and moved.model.embed_tokens.weight.is_contiguous()
+    for (name, a), (_, b) in zip(plain.state_dict().items(), moved.state_dict().items()):
+        assert torch.equal(a, b), name
+    attn = moved.model.layers[0].self_attn
+    joined = attn.__dict__["joined_linears"][1][0]
+    assert joined.t().is_contiguous() and attn.q_proj.weight.data_ptr() == joined.data_ptr()
+    assert moved.model.layers[0].mlp.down_proj.weight.t().is_contiguous()
+    ids = torch.tensor(ids_batch(hf.config.vocab_size, [9, 9]))
+    with torch.no_grad():
+        assert torch.allclose(moved(ids), plain(ids), atol=1e-5, rtol=0)
+        caches = plain.make_cache(2, 16), moved.make_cache(2, 16)
+        first = [m(ids, cache=c)[:, -1] for m, c in zip((plain, moved), caches)]
+        assert torch.allclose(first[1], first[0], atol=1e-5, rtol=0)
+        step = first[0].argmax(-1)[:, None]
+        nxt = [m(step, cache=c)[:, -1] for m, c in zip((plain, moved), caches)]
+        assert torch.allclose(nxt[1], nxt[0], atol=1e-5, rtol=0)
+    engine = get_engine("torch-cpu")
+    if engine.base_dtype == torch.float32:
+        assert engine.load_model(model_dir).model.layers[0].self_attn.o_proj.weight.t().is_contiguous()

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from runtime.engines.torch.models.attention import KVCache, PackedStep, build_mask, decode_attention, decode_bias
+from runtime.engines.torch.models.layout import joined_outputs
 from runtime.models.args import ModelArgs, rope
 
 
@@ -66,63 +67,6 @@ def apply_rope(x, cos, sin):
         return x * cos + x.roll(r // 2, dims=-1) * sin
     rot, rest = x[..., :r], x[..., r:]
     return torch.cat([rot * cos + rot.roll(r // 2, dims=-1) * sin, rest], dim=-1)
-
-
-def joined_outputs(module: nn.Module, names: tuple[str, ...], x) -> list:
-    """The outputs of `module`'s linears `names`, which all read x, from one GEMM over their
-    weights laid end to end: q/k/v and gate/up become one call each, which on a small model's
-    decode step (calls, not arithmetic, most of its time) saves what the peer spends. Each
-    linear keeps its weight, as a view into the joined tensor, so checkpoint names, state_dict
-    and LoRA targets are unchanged. A LoRA wrapper (its frozen linear as `.base`) adds its own
-    update to its part.
-
-    Only where no gradient flows back through x (generation, evaluation): in a tune the joined
-    output's split and the gradients joined again in backward cost more than the one GEMM saves
-    (Qwen2.5-0.5B shape, float32, 2-core AMD EPYC: 83.2 tokens/s joined, 87.8 separate)."""
-    linears = [getattr(module, n) for n in names]
-    bases = [getattr(m, "base", m) for m in linears]
-    joined = None if torch.is_grad_enabled() and x.requires_grad else _joined(module, bases)
-    if joined is None:
-        outs = [b(x) for b in bases]
-    else:
-        weight, bias, sizes = joined
-        outs = list(F.linear(x, weight, bias).split(sizes, dim=-1))
-    return [y if m is b else m.add_update(y, x) for y, m, b in zip(outs, linears, bases)]
-
-
-def _joined(module: nn.Module, bases: list):
-    """(weight, bias, sizes) joining `bases`, made on first use and again whenever a weight has
-    moved (model.to(), a reload); None where a weight is being trained, whose gradient must
-    reach its own parameter (the engine's base is frozen: this is for other callers)."""
-    weights = [b.weight for b in bases]
-    if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
-        return None
-    ptrs = tuple(w.data_ptr() for w in weights)
-    cached = module.__dict__.get("joined_linears")
-    if cached is not None and cached[0] == ptrs:
-        return cached[1]
-    with torch.no_grad():
-        weight = torch.cat(weights)
-        bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
-    sizes = [w.shape[0] for w in weights]
-    for b, part, w in zip(bases, weight.split(sizes), weights):
-        b.weight = nn.Parameter(part, requires_grad=w.requires_grad)  # the separate copy is freed
-    if bias is not None:
-        for b, part in zip(bases, bias.split(sizes)):
-            b.bias = nn.Parameter(part, requires_grad=b.bias.requires_grad)
-    module.__dict__["joined_linears"] = (tuple(b.weight.data_ptr() for b in bases), (weight, bias, sizes))
-    return weight, bias, sizes
-
-
-def join_linears(model: nn.Module) -> None:
-    """Join every module's `joined` linears now, as joined_outputs would on first use: at load,
-    so the separate copies are freed before anything else is allocated (the loader then hands
-    the freed heap back to the system: SmolLM2-135M in bfloat16, +289 MiB joined untrimmed,
-    +263 trimmed, +268 not joined)."""
-    with torch.no_grad():
-        for module in model.modules():
-            for names in getattr(module, "joined", ()):
-                _joined(module, [getattr(getattr(module, n), "base", getattr(module, n)) for n in names])
 
 
 class Attention(nn.Module):
