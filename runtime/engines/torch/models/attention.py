@@ -41,6 +41,7 @@ class KVCache:
         shape = (args.num_hidden_layers, batch, args.num_key_value_heads, max_len, args.head_dim)
         self.k = zeros(shape, dtype, device)
         self.v = zeros(shape, dtype, device)
+        self._written = None  # (positions, flat indices) of the last write: see _flat_index
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_len = max_len
         self.all_rows = torch.arange(batch, device=device)
@@ -62,17 +63,40 @@ class KVCache:
         view.index = torch.tensor(slots, device=self.k.device)
         view.lengths = self.lengths[view.index]
         view.next_span = None
+        view._written = None
         return view
 
     def write(self, layer: int, k, v, slots: torch.Tensor, span: int):
         """Store k, v (B, kv_heads, T, head_dim) at `slots` (B, T); return keys/values up to `span`."""
         rows = self.all_rows if self.index is None else self.index
-        # Advanced indices split by a slice put their dims first: the target is (B, T, kv_heads, head_dim).
-        self.k[layer][rows[:, None], :, slots] = k.transpose(1, 2)
-        self.v[layer][rows[:, None], :, slots] = v.transpose(1, 2)
+        store(self, layer, k, v, self._flat_index(rows, slots))
         if self.index is None:
             return self.k[layer, :, :, :span], self.v[layer, :, :, :span]  # (B, kv_heads, S, head_dim)
         return self.k[layer, :, :, :span][rows], self.v[layer, :, :, :span][rows]  # a gathered copy
+
+    def _flat_index(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """flat_index's for these rows and positions, made once per forward: every layer of one
+        forward writes at the same positions (the same tensor), so the first layer's is reused."""
+        if self._written is None or self._written[0] is not positions:
+            self._written = positions, flat_index(rows, positions, self.k.shape[2], self.max_len)
+        return self._written[1]
+
+
+def flat_index(rows: torch.Tensor, positions: torch.Tensor, kv_heads: int, max_len: int) -> torch.Tensor:
+    """Where token t of row b lands for each kv head, as indices into one layer's cache flattened
+    to (slots * kv_heads * max_len, head_dim): (B, kv_heads, T) -> B * kv_heads * T, in k's order.
+    rows (B,): each row's slot; positions (B, T): each token's cache position."""
+    heads = torch.arange(kv_heads, device=positions.device)
+    return ((rows[:, None, None] * kv_heads + heads[None, :, None]) * max_len + positions[:, None, :]).reshape(-1)
+
+
+def store(cache: KVCache, layer: int, k, v, index: torch.Tensor) -> None:
+    """Write k, v (B, kv_heads, T, head_dim) into one layer at `index` (flat_index's). One
+    index_copy_ per tensor: the advanced-index assignment it replaces cost about 25 us a call on
+    tiny's decode step (broadcast indices built and checked every layer), most of the write."""
+    hd = k.shape[-1]
+    cache.k[layer].view(-1, hd).index_copy_(0, index, k.reshape(-1, hd))
+    cache.v[layer].view(-1, hd).index_copy_(0, index, v.reshape(-1, hd))
 
 
 class PackedStep:
@@ -98,6 +122,10 @@ class PackedStep:
             positions += range(start, start + n)
         self.rows = torch.tensor(rows, device=device)
         self.positions = torch.tensor(positions, device=device)[None]  # (1, N): rotary positions too
+        kv_heads = cache.k.shape[2]
+        heads = torch.arange(kv_heads, device=device)
+        # k, v (1, kv_heads, N, head_dim) in order: head h of packed token n lands at row rows[n], position positions[n].
+        self.index = ((self.rows[None, :] * kv_heads + heads[:, None]) * cache.max_len + self.positions).reshape(-1)
         self.slot_index = torch.tensor(slots, device=device)
         self.lengths = torch.tensor(lengths, device=device)
         self._masks = {}
@@ -118,8 +146,7 @@ class PackedStep:
 
     def attend(self, layer: int, q, k, v, scale: float, window):
         """Store this step's keys and values in the cache, then each part's attention; (1, heads, N, head_dim)."""
-        self.cache.k[layer][self.rows, :, self.positions[0]] = k[0].transpose(0, 1)  # (N, kv_heads, head_dim)
-        self.cache.v[layer][self.rows, :, self.positions[0]] = v[0].transpose(0, 1)
+        store(self.cache, layer, k, v, self.index)  # k, v (1, kv_heads, N, head_dim)
         bias, masks = self._masks_for(window, q.dtype, k.shape[1])
         outs = []
         if self.decoding:
