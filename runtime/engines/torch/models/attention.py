@@ -137,7 +137,7 @@ class PackedStep:
             device = self.rows.device
             bias = None
             if self.decoding:
-                bias = decode_bias(build_mask(1, self.span, self.lengths, None, device, window), kv_heads, dtype)
+                bias = decode_bias(self.lengths, self.span, window, kv_heads, dtype)
             pieces = [None if start == 0 and (window is None or window >= n)
                       else build_mask(n, start + n, torch.tensor([start], device=device), None, device, window)
                       for _, start, n, _ in self.parts]
@@ -182,12 +182,17 @@ def decode_attention(q, k, v, bias, scale):
     return torch.bmm(scores.softmax(-1), v.reshape(B * kv_heads, S, hd)).view(B, H, 1, hd)
 
 
-def decode_bias(mask, kv_heads: int, dtype):
-    """`build_mask`'s (B, 1, 1, S) for one query per row, as decode_attention's additive
-    (B * kv_heads, 1, S) bias: made once per step, read by every layer."""
-    B, S = mask.shape[0], mask.shape[-1]
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return bias.expand(B, kv_heads, 1, S).reshape(B * kv_heads, 1, S)
+def decode_bias(offsets, S: int, window: int | None, kv_heads: int, dtype):
+    """decode_attention's additive (B * kv_heads, 1, S) bias for one query per row at key index
+    offsets[b] (its cached tokens): 0 where build_mask would let it attend, -inf elsewhere. Made
+    once per step and read by every layer; built from the offsets directly, in a few ops."""
+    B = offsets.shape[0]
+    k_idx = torch.arange(S, device=offsets.device)[None, :]
+    hidden = k_idx > offsets[:, None]  # keys after the row's new one
+    if window is not None:
+        hidden |= k_idx <= offsets[:, None] - window
+    bias = torch.zeros((B, S), dtype=dtype, device=offsets.device).masked_fill_(hidden, float("-inf"))
+    return bias[:, None].expand(B, kv_heads, S).reshape(B * kv_heads, 1, S)
 
 
 def build_mask(T: int, S: int, offsets, attn_mask, device, window: int | None = None):

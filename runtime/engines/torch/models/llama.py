@@ -179,11 +179,12 @@ class LlamaModel(nn.Module):
         B, T = input_ids.shape
         device = input_ids.device
         offsets = cache.lengths if cache is not None else torch.zeros(B, dtype=torch.long, device=device)
+        steps = offsets[:, None] + torch.arange(T, device=device)[None, :]  # (B, T): each token's index after the cached ones
         if positions is None:
-            positions = offsets[:, None] + torch.arange(T, device=device)[None, :]  # (B, T)
+            positions = steps
         slots = span = None
         if cache is not None:
-            slots = offsets[:, None] + torch.arange(T, device=device)[None, :]  # (B, T) cache index per token
+            slots = steps  # (B, T) cache index per token
             span = cache.next_span if cache.next_span is not None else int(slots.max()) + 1
             cache.next_span = None
             assert span <= cache.max_len, f"KV cache overflow: need {span} positions, have {cache.max_len}"
@@ -194,11 +195,19 @@ class LlamaModel(nn.Module):
         # is_causal is faster; right padding after a row's prompt is hidden by causality),
         # and so is a sliding window no shorter than the prefill; anything else needs a mask.
         masks = {}
+        decode = T == 1 and cache is not None  # a decode step: decode_attention's additive bias
+        assert not (decode and attn_mask is not None), "a decode step takes no padding mask (the cache's lengths hide what is not there)"
+        kv_heads = self.layers[0].self_attn.n_kv_heads
         for layer in self.layers:
             w = layer.self_attn.window
             if w not in masks:
                 plain = attn_mask is None and S == T and (w is None or w >= T)
-                masks[w] = None if plain else build_mask(T, S, offsets, attn_mask, device, w)
+                if plain:
+                    masks[w] = None
+                elif decode:
+                    masks[w] = decode_bias(offsets, S, w, kv_heads, self.embed_tokens.weight.dtype)
+                else:
+                    masks[w] = build_mask(T, S, offsets, attn_mask, device, w)
         x = self.embed(input_ids)  # (B, T, D), in the weights' dtype
         compute = x.dtype
         # The residual stream is float32 whatever the weights' dtype, as llama.cpp keeps its
@@ -207,9 +216,6 @@ class LlamaModel(nn.Module):
         # float32 run (SmolLM2-135M-Instruct, 8 rows: per-token loss 0.046 -> 0.019 off, LoRA
         # gradient cosine 0.977 -> 0.997); on a float32 base it changes nothing.
         x = x.float()
-        if T == 1 and cache is not None:  # a decode step: decode_attention's additive bias
-            kv_heads = self.layers[0].self_attn.n_kv_heads
-            masks = {w: None if m is None else decode_bias(m, kv_heads, compute) for w, m in masks.items()}
         rotations = {t: r(positions, compute) for t, r in self.rotary.items()}
         for i, layer in enumerate(self.layers):
             cos, sin = rotations[layer.self_attn.layer_type]
