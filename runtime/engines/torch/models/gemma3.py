@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.engines.torch.models import llama
-from runtime.engines.torch.models.layout import joined_outputs
+from runtime.engines.torch.models.layout import joined_outputs, linear
 from runtime.models.args import ModelArgs
 
 
@@ -41,7 +41,7 @@ class Attention(llama.Attention):
 class MLP(llama.MLP):
     def forward(self, x):
         gate, up = joined_outputs(self, self.joined[0], x)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return linear(self.down_proj, F.gelu(gate, approximate="tanh") * up)
 
 
 class TransformerBlock(nn.Module):

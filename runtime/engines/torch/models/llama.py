@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from runtime.engines.torch.models.attention import KVCache, PackedStep, build_mask, decode_attention, decode_bias
-from runtime.engines.torch.models.layout import joined_outputs
+from runtime.engines.torch.models.layout import joined_outputs, linear
 from runtime.models.args import ModelArgs, rope
 
 
@@ -112,7 +112,7 @@ class Attention(nn.Module):
         else:
             out = self.attend(q, k, v, mask, cache, layer, slots, span)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, heads*head_dim)
-        return self.o_proj(out)
+        return linear(self.o_proj, out)
 
 
 class MLP(nn.Module):
@@ -127,7 +127,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = joined_outputs(self, self.joined[0], x)
-        return self.down_proj(F.silu(gate) * up)
+        return linear(self.down_proj, F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -257,7 +257,7 @@ class Model(nn.Module):
         """(..., D) -> (..., V); kept apart so training can project only the positions with loss."""
         if self.lm_head is None:
             return F.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+        return linear(self.lm_head, hidden)
 
     def forward(self, input_ids, positions=None, cache=None, attn_mask=None):
         return self.logits(self.hidden_states(input_ids, positions, cache, attn_mask))

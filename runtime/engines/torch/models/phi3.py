@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.engines.torch.models import llama
+from runtime.engines.torch.models.layout import linear
 from runtime.models.args import ModelArgs
 
 
@@ -42,7 +43,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # gate rows first, as in the checkpoint
-        return self.down_proj(up * F.silu(gate))
+        return linear(self.down_proj, up * F.silu(gate))
 
 
 class TransformerBlock(llama.TransformerBlock):
