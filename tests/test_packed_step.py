@@ -157,3 +157,28 @@ def test_every_family_through_a_packed_step(family, tmp_path, monkeypatch):
     model = load_model(resolve_model(str(path)))
     rng = np.random.default_rng(4)
     packed_against_oracle(model, [ids(rng, 20), ids(rng, 6)], [ids(rng, 13), ids(rng, 2)], slots=4, max_len=48)
+
+
+def test_flat_index_writes_where_the_advanced_index_assignment_did():
+    """store at flat_index's indices lands every head of every token where the cache's indexing
+    says (slot, head, position) is: per-row slots (a forward's view) and per-token ones (a packed step)."""
+    import torch
+
+    from runtime.engines.torch.models.attention import flat_index, store
+
+    class Cache:
+        k = torch.zeros(2, 5, 3, 12, 4)  # layers, slots, kv heads, max_len, head_dim
+        v = torch.zeros(2, 5, 3, 12, 4)
+
+    rows, positions = torch.tensor([4, 1]), torch.tensor([[2, 3, 4], [7, 8, 9]])
+    k, v = torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 4)  # (B, kv_heads, T, head_dim)
+    store(Cache, 1, k, v, flat_index(rows, positions, 3, 12))
+    want = torch.zeros(5, 3, 12, 4)
+    want[rows[:, None], :, positions] = k.transpose(1, 2)
+    assert torch.equal(Cache.k[1], want) and not Cache.k[0].any()
+    packed_rows, packed_pos = torch.tensor([[0, 2, 2]]), torch.tensor([[5, 0, 1]])
+    k1 = torch.randn(1, 3, 3, 4)
+    store(Cache, 0, k1, k1, flat_index(packed_rows, packed_pos, 3, 12))
+    want0 = torch.zeros(5, 3, 12, 4)
+    want0[packed_rows[0], :, packed_pos[0]] = k1[0].transpose(0, 1)
+    assert torch.equal(Cache.k[0], want0) and torch.equal(Cache.v[0], want0)

@@ -85,9 +85,11 @@ class KVCache:
 def flat_index(rows: torch.Tensor, positions: torch.Tensor, kv_heads: int, max_len: int) -> torch.Tensor:
     """Where token t of row b lands for each kv head, as indices into one layer's cache flattened
     to (slots * kv_heads * max_len, head_dim): (B, kv_heads, T) -> B * kv_heads * T, in k's order.
-    rows (B,): each row's slot; positions (B, T): each token's cache position."""
+    rows: each row's slot (B,), or each token's (B, T) (a packed step); positions (B, T): each
+    token's cache position."""
     heads = torch.arange(kv_heads, device=positions.device)
-    return ((rows[:, None, None] * kv_heads + heads[None, :, None]) * max_len + positions[:, None, :]).reshape(-1)
+    rows = rows[:, None] if rows.dim() == 1 else rows  # (B, 1) or (B, T)
+    return ((rows[:, None, :] * kv_heads + heads[None, :, None]) * max_len + positions[:, None, :]).reshape(-1)
 
 
 def store(cache: KVCache, layer: int, k, v, index: torch.Tensor) -> None:
@@ -122,10 +124,8 @@ class PackedStep:
             positions += range(start, start + n)
         self.rows = torch.tensor(rows, device=device)
         self.positions = torch.tensor(positions, device=device)[None]  # (1, N): rotary positions too
-        kv_heads = cache.k.shape[2]
-        heads = torch.arange(kv_heads, device=device)
-        # k, v (1, kv_heads, N, head_dim) in order: head h of packed token n lands at row rows[n], position positions[n].
-        self.index = ((self.rows[None, :] * kv_heads + heads[:, None]) * cache.max_len + self.positions).reshape(-1)
+        # Packed token n lands in slot rows[n] at positions[n]: k, v are (1, kv_heads, N, head_dim).
+        self.index = flat_index(self.rows[None], self.positions, cache.k.shape[2], cache.max_len)
         self.slot_index = torch.tensor(slots, device=device)
         self.lengths = torch.tensor(lengths, device=device)
         self._masks = {}
