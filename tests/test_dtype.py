@@ -157,4 +157,5 @@ def test_a_tune_on_a_cpu_without_amx_takes_bfloat16_only_where_it_measures_faste
     assert precision_for("cpu", width=896, bf16_native="AVX512-BF16", train_speedup=TRAIN_BF16_MIN_SPEEDUP).base == torch.bfloat16
     assert precision_for("cpu", width=896, bf16_native="AVX512-BF16").base == torch.bfloat16  # generation: not measured
     speedup = cpu_bf16_speedup()
-    assert 0.01 < speedup < 100 and cpu_bf16_speedup() == speedup  # measured once per process
+    # Emulated bfloat16 (an AVX2-only CPU) measured 0.005x on a 2-core AMD EPYC: any positive rate is sane.
+    assert 0 < speedup < 100 and cpu_bf16_speedup() == speedup  # measured once per process

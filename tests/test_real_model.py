@@ -311,7 +311,9 @@ def test_auto_dtype_generation_matches_transformers_in_that_dtype_up_to_near_tie
 def test_a_bfloat16_base_trains_the_real_model_near_float32():
     """One step's LoRA gradients on a bfloat16 base (its residual stream float32) against a
     float32 base, 8 rows of the example task: measured per-token loss 0.0084 apart (of 1.29),
-    cosine per tensor >= 0.9959, median 0.9994 (a bfloat16 residual stream: 0.046, 0.977)."""
+    cosine per tensor >= 0.9959, median 0.9994 (a bfloat16 residual stream: 0.046, 0.977) on CPUs
+    that multiply bfloat16 natively; 0.0206 apart, cosines >= 0.9965, median 0.9993, where oneDNN
+    emulates it (an AVX2-only AMD EPYC), hence the loss bound of 0.03."""
     from runtime.data.train import collate, load_train_data
     from runtime.engines import OptimSpec
     from runtime.models.lora import LoraSpec
@@ -330,5 +332,5 @@ def test_a_bfloat16_base_trains_the_real_model_near_float32():
     cosines = sorted(cosine(low.params[k].grad, ref.params[k].grad) for k in ref.names)
     print(f"loss per token {l32 / n:.4f} float32, {l16 / n:.4f} bfloat16; gradient cosines min {cosines[0]:.4f}, "
           f"median {cosines[len(cosines) // 2]:.4f}")
-    assert abs(l16 - l32) / n < 0.02
+    assert abs(l16 - l32) / n < 0.03
     assert cosines[0] > 0.99 and cosines[len(cosines) // 2] > 0.999

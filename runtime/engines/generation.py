@@ -6,9 +6,11 @@ a per-request generator seeded from (seed, key), so a row's tokens do not depend
 rows shared its batch: a resumed job reproduces the rows it redoes, on any engine.
 
 What touches the model is a `Decoder`, one per engine (runtime/engines/<engine>/decode.py,
-made by a model's `make_decoder(slots, max_len)`). It returns numpy float32 logits, so
-sampling and the greedy argmax are this module's, the same code on every engine: the same
-logits give the same tokens on torch and on MLX.
+made by a model's `make_decoder(slots, max_len)`). It returns (n, V) logits, numpy float32 or
+a `Logits` (runtime/engines/logits.py) that keeps them where the engine computed them: the
+greedy argmax runs there (the first maximum, as numpy's), and a row that samples or has options
+is copied out as float32 and handled here, the same code on every engine: the same logits give
+the same tokens on torch and on MLX.
 
 A request may also carry OpenAI's per-request options, all applied here to the numpy logits:
 `presence_penalty` / `frequency_penalty` (subtracted from the logits before sampling),
@@ -30,6 +32,7 @@ from typing import Protocol
 import numpy as np
 
 from runtime.base.errors import SpillpackError
+from runtime.engines.logits import Logits, as_logits
 
 
 @dataclass
@@ -69,12 +72,12 @@ class Decoder(Protocol):
     slots: int
     max_len: int
 
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> np.ndarray:
-        """Start each prompt in its slot (the slot's old keys are dropped); (n, V) float32
-        logits at each prompt's last token."""
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> np.ndarray | Logits:
+        """Start each prompt in its slot (the slot's old keys are dropped); (n, V) logits at
+        each prompt's last token."""
 
-    def decode(self, slots: list[int], last: list[int]) -> np.ndarray:
-        """One token for each of `slots`, its last token given; (n, V) float32 logits."""
+    def decode(self, slots: list[int], last: list[int]) -> np.ndarray | Logits:
+        """One token for each of `slots`, its last token given; (n, V) logits."""
 
     def release(self, slot: int) -> None:
         """The slot's row is done; the next prefill may reuse it."""
@@ -242,10 +245,12 @@ class Generator:
             row.logprobs = []
         return row
 
-    def _push(self, slots: list[int], logits: np.ndarray, finished: list[Result]) -> None:
+    def _push(self, slots: list[int], logits: np.ndarray | Logits, finished: list[Result]) -> None:
         """Each slot's next token from its row of (n, V) logits; finished rows leave their slots."""
-        # Greedy rows take one argmax over the batch, sampled rows draw their own.
-        greedy = logits.argmax(-1).tolist()
+        # Greedy rows take one argmax over the batch (where the engine holds the logits), sampled
+        # rows and rows with options their own row as float32.
+        logits = as_logits(logits)
+        greedy = logits.argmax()
         allowed = None
         if self._grammars is not None:  # only once a constrained row has started
             constrained = [(n, self.rows[slot].matcher) for n, slot in enumerate(slots) if self.rows[slot].matcher is not None]
@@ -254,13 +259,13 @@ class Generator:
             row = self.rows[slot]
             req = row.request
             if row.plain:  # the path of a row without options, as before they existed
-                token = greedy[n] if req.temperature == 0 else sample(logits[n], req.temperature, req.top_p, row.rng)
+                token = greedy[n] if req.temperature == 0 else sample(logits.row(n), req.temperature, req.top_p, row.rng)
                 row.tokens.append(token)
                 reason = "stop" if token in self.eos else "length" if len(row.tokens) >= req.max_tokens else None
                 if reason is not None:
                     self._finish(slot, row, reason, None, finished)
                 continue
-            token = self._choose(row, logits[n], allowed[n] if row.matcher is not None else None, greedy[n])
+            token = self._choose(row, logits.row(n), allowed[n] if row.matcher is not None else None, greedy[n])
             row.tokens.append(token)
             text = None
             if token in self.eos:

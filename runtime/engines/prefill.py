@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from runtime.engines.logits import Logits, as_logits
+
 # A prompt reuses the prefix cache's keys from this many shared tokens on. Below it the saving
 # is a few tokens of compute, while a reused start costs a copy of every layer's keys and
 # sends the forward through the explicit mask instead of plain causal attention; a chat
@@ -46,7 +48,7 @@ class PrefixPrefill:
         self.keeps_prefix = prefix_cache
         self.prefix_ids: list[int] = []  # the entry's prompt; its keys and values are the engine's
 
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> np.ndarray:
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> Logits:
         """Start each prompt in its slot (the slot's old keys are dropped); (n, V) logits at each prompt's end."""
         self._share_group_prefix(slots, prompts)
         logits = self._run(slots, prompts, [self._reuse(s, p) for s, p in zip(slots, prompts)])
@@ -84,10 +86,10 @@ class PrefixPrefill:
         self._to_entry(slot, len(prompt))
         self.prefix_ids = list(prompt)
 
-    def _run(self, slots: list[int], prompts: list[list[int]], starts: list[int]) -> np.ndarray:
+    def _run(self, slots: list[int], prompts: list[list[int]], starts: list[int]) -> Logits:
         """Run each prompt from `starts` (the tokens its slot holds already) to its end, at most
         chunk_tokens per forward; (n, V) logits at each prompt's last token."""
-        done, out = list(starts), [None] * len(prompts)
+        done, parts, order = list(starts), [], []  # each piece's logits, and whose rows they are
         self._set_lengths(slots, done)  # the slots' old keys past these are masked out, no need to clear them
         while active := [i for i, p in enumerate(prompts) if done[i] < len(p)]:
             width = min(max(1, self.chunk_tokens // len(active)), max(len(prompts[i]) - done[i] for i in active),
@@ -97,13 +99,14 @@ class PrefixPrefill:
             hidden = self._forward([slots[i] for i in active], pieces, [done[i] for i in active], width)
             ends = [n for n, i in enumerate(active) if done[i] + len(pieces[n]) == len(prompts[i])]
             if ends:  # rows whose last token was in this piece: their logits
-                for n, row in zip(ends, self._logits(hidden, ends, [len(pieces[n]) - 1 for n in ends])):
-                    out[active[n]] = row
+                parts.append(as_logits(self._logits(hidden, ends, [len(pieces[n]) - 1 for n in ends])))
+                order += [active[n] for n in ends]
             for n, i in enumerate(active):
                 done[i] += len(pieces[n])
             # Pad tokens were written past each piece's end: a length that stops at the piece hides them.
             self._set_lengths([slots[i] for i in active], [done[i] for i in active])
-        return np.stack(out)
+        logits = parts[0].join(parts[1:]) if len(parts) > 1 else parts[0]
+        return logits if order == sorted(order) else logits.take(np.argsort(order).tolist())
 
     # -- the engine's part: tensors ----------------------------------------------------------
 
@@ -124,6 +127,6 @@ class PrefixPrefill:
         """Each slot's cached tokens: keys past them are masked out."""
         raise NotImplementedError
 
-    def _logits(self, hidden, rows: list[int], positions: list[int]) -> np.ndarray:
-        """The hidden states at (rows[i], positions[i]) as numpy float32 logits, (len(rows), V)."""
+    def _logits(self, hidden, rows: list[int], positions: list[int]):
+        """The hidden states at (rows[i], positions[i]) as logits, (len(rows), V): numpy float32 or Logits."""
         raise NotImplementedError

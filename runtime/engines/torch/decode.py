@@ -1,7 +1,8 @@
 """The torch engine's decoder: what runtime.engines.generation's Generator drives, over one KV cache.
 
-Logits leave as numpy float32 (n, V): sampling and the greedy argmax are the generator's,
-the same code for every engine.
+Logits leave as TorchLogits (runtime/engines/logits.py), on the device and in the model's
+dtype: the generator takes the greedy argmax there and copies out as float32 only the rows that
+sample or carry options; sampling is the generator's, the same code for every engine.
 
 A prefill computes only what the cache does not hold already, and in bounded pieces (a prefix
 cache of one entry, and chunks): runtime/engines/prefill.py decides what runs, for every engine;
@@ -22,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runtime.engines.logits import Logits
 from runtime.engines.prefill import PrefixPrefill
 from runtime.engines.torch.models.attention import PackedStep, zeros
 from runtime.models.memory import PREFILL_CHUNK_TOKENS
@@ -29,6 +31,22 @@ from runtime.models.memory import PREFILL_CHUNK_TOKENS
 # A decode step's shapes in steps (see TorchDecoder._padded): at most 31 masked keys and 7 idle
 # rows more, a small share of a step beside the weights every row's step reads.
 SPAN_STEP, ROW_STEP = 32, 8
+
+
+class TorchLogits(Logits):
+    """(n, V) logits as the model computed them: a torch tensor in its dtype, on its device."""
+
+    def row(self, n: int) -> np.ndarray:
+        return self.values[n].float().cpu().numpy()
+
+    def take(self, order: list[int]) -> "TorchLogits":
+        return TorchLogits(self.values[torch.tensor(order, device=self.values.device)])
+
+    def join(self, others: list["TorchLogits"]) -> "TorchLogits":
+        return TorchLogits(torch.cat([self.values, *(o.values for o in others)]))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self.values.float().cpu().numpy().astype(dtype or np.float32, copy=False)
 
 
 class TorchDecoder(PrefixPrefill):
@@ -54,11 +72,11 @@ class TorchDecoder(PrefixPrefill):
         self.prefix_v = zeros(entry, self.cache.v.dtype, self.device) if prefix_cache else None
 
     @staticmethod
-    def _host(logits: torch.Tensor) -> np.ndarray:
-        return logits.float().cpu().numpy()
+    def _host(logits: torch.Tensor) -> TorchLogits:
+        return TorchLogits(logits)
 
     @torch.inference_mode()
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> np.ndarray:
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> TorchLogits:
         """Start each prompt in its slot (the slot's old keys are dropped); (n, V) logits at each prompt's end."""
         return super().prefill(slots, prompts)
 
@@ -77,7 +95,7 @@ class TorchDecoder(PrefixPrefill):
         view.next_span = max(offsets) + width
         return self.model.hidden_states(ids, cache=view)
 
-    def _logits(self, hidden: torch.Tensor, rows: list[int], positions: list[int]) -> np.ndarray:
+    def _logits(self, hidden: torch.Tensor, rows: list[int], positions: list[int]) -> TorchLogits:
         at = torch.tensor([rows, positions], device=self.device)
         return self._host(self.model.logits(hidden[at[0], at[1]]))
 
@@ -86,7 +104,7 @@ class TorchDecoder(PrefixPrefill):
         self.host_lengths[slots] = lengths
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], last: list[int]) -> np.ndarray:
+    def decode(self, slots: list[int], last: list[int]) -> TorchLogits:
         """One token for each of `slots` (its last token given); (n, V) logits."""
         if self.every_slot:
             return self._decode_every_slot(slots, last)
@@ -113,7 +131,7 @@ class TorchDecoder(PrefixPrefill):
 
     @torch.inference_mode()
     def decode_and_prefill(self, slots: list[int], last: list[int], new_slots: list[int],
-                           prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+                           prompts: list[list[int]]) -> tuple[TorchLogits, TorchLogits]:
         """decode(slots, last) and prefill(new_slots, prompts) as one forward of their tokens packed
         end to end (the model's PackedStep); (n, V) decode logits and (m, V) prefill logits. With
         no slots decoding, a prefill without padding."""
@@ -152,7 +170,7 @@ class TorchDecoder(PrefixPrefill):
         running = set(slots)
         return slots + [i for i in range(self.slots) if i not in running][: want - len(slots)]
 
-    def _decode_every_slot(self, slots: list[int], last: list[int]) -> np.ndarray:
+    def _decode_every_slot(self, slots: list[int], last: list[int]) -> TorchLogits:
         packed = np.zeros((3, self.slots), dtype=np.int64)  # token ids, running (0/1), output order
         packed[0, slots], packed[1, slots], packed[2, : len(slots)] = last, 1, slots
         packed = torch.from_numpy(packed).to(self.device, non_blocking=True)

@@ -25,6 +25,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if self.weight.dtype == torch.float32 and x.dtype == torch.float32:
+            # One call with the weight inside: bit for bit the product below, two ops fewer (a
+            # small model's decode step and tune are their op calls more than their arithmetic).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 and cast to the weights' dtype before the weight, as the reference
         # does, so bfloat16 runs round the same way (x: the float32 residual stream).
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(self.weight.dtype)
