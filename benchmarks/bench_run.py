@@ -17,7 +17,8 @@ code path `spillpack run` uses. Two settings (--stop):
   limit, the model's eos), and each row is cut at its own limit afterwards.
 
 Prints rows/s, generated tokens/s (the tokens the rows keep), the ratio, and how many rows
-are token-identical. `qwen0.5b-shape` is a random-weight model of Qwen2.5-0.5B's shape (hidden 896,
+are token-identical; with --rounds N both sides run N times, alternating, and each side's median
+time is reported with every round's. `qwen0.5b-shape` is a random-weight model of Qwen2.5-0.5B's shape (hidden 896,
 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936, tied) with tiny's tokenizer.
 """
 
@@ -129,6 +130,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="torch threads for both sides (default: torch's)")
     ap.add_argument("--side", choices=["both", "spillpack"], default="both", help="spillpack only: benchmarks/compare.py")
     ap.add_argument("--json", action="store_true", help="with --side spillpack: one JSON line")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of both sides (each side's median time is reported)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -163,6 +165,11 @@ def main() -> None:
             print(json.dumps({"tokens_per_s": sum(map(len, ours)) / t_ours, "seconds": t_ours, "threads": torch.get_num_threads()}))
             return
         theirs, t_hf = bench_hf(path, prompts, limits, args.batch, tok.pad_token_id or 0, eos)
+        ours_s, hf_s = [t_ours], [t_hf]
+        for _ in range(args.rounds - 1):  # alternating: a host whose speed drifts by minutes moves both sides
+            ours_s.append(bench_spillpack(path, prompts, limits, args.batch, eos)[1])
+            hf_s.append(bench_hf(path, prompts, limits, args.batch, tok.pad_token_id or 0, eos)[1])
+        t_ours, t_hf = sorted(ours_s)[(len(ours_s) - 1) // 2], sorted(hf_s)[(len(hf_s) - 1) // 2]
     n, gen_tokens = len(prompts), sum(map(len, ours))
     same = sum(a == b for a, b in zip(ours, theirs))
     report = {
@@ -173,6 +180,9 @@ def main() -> None:
         "transformers": {"seconds": round(t_hf, 2), "rows_per_s": round(n / t_hf, 2), "tokens_per_s": round(gen_tokens / t_hf, 1)},
         "ratio": round(t_hf / t_ours, 2), "token_identical_rows": f"{same}/{n}",
     }
+    if args.rounds > 1:
+        report["rounds"] = {"spillpack_s": [round(t, 2) for t in ours_s], "transformers_s": [round(t, 2) for t in hf_s],
+                            "ratios": [round(h / o, 2) for o, h in zip(ours_s, hf_s)], "load": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(report, indent=2))
 
 

@@ -2,7 +2,9 @@
 
 Same model, same token sequences in the same batches, same rank, targets, batch,
 sequence length and optimizer (AdamW). Each side runs in its own process so its peak
-RSS is its own. Prints trained tokens/s, peak RSS and the ratios; then the preemption
+RSS is its own; with --rounds N the sides alternate N times and each side's median round is
+reported (this kind of shared host swings by 1.5x within minutes, and one round of each can
+put a slow minute on one side only). Prints trained tokens/s, peak RSS and the ratios; then the preemption
 path: the time to commit a checkpoint of the LoRA state, and SIGTERM-to-exit when one
 step is longer than the 30 s promise allows.
 
@@ -178,6 +180,15 @@ def sigterm_long_step(model: Path, data: Path, a) -> dict:
             "abandoned": pre[0]["abandoned_quantum"] if pre else None, "step_at_stop": pre[0]["step"] if pre else None}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s (the lower middle one of an even count)."""
+    return dict(sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2])
+
+
+def uptime_load() -> str:
+    return "load " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="tiny", choices=["tiny", *SHAPES])
@@ -197,6 +208,7 @@ def main():
     ap.add_argument("--side", choices=["both", "spillpack", "peer"], default="both",
                     help="one side only (benchmarks/compare.py runs the spillpack side on two trees)")
     ap.add_argument("--json", action="store_true", help="one JSON line per side instead of the text report")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of both sides; each side's median round is reported")
     a = ap.parse_args()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -207,16 +219,27 @@ def main():
         r = spillpack_side(model, data, a) if a.side == "spillpack" else peer_side(model, data, a)
         print(json.dumps({"side": a.side, **r}) if a.json else r, flush=True)
         return
-    print(f"shape {a.shape}, batch {a.batch}, rank {a.rank}, targets {a.targets}, {a.steps} timed steps each", flush=True)
-    ours = spillpack_side(model, data, a)
+    print(f"shape {a.shape}, batch {a.batch}, rank {a.rank}, targets {a.targets}, {a.steps} timed steps each, "
+          f"{a.rounds} alternating round(s)", flush=True)
+    ours_runs, peer_runs = [], []
+    for r in range(a.rounds):
+        # The sides alternate (A B A B ...): a host whose speed drifts by minutes moves both.
+        ours_runs.append(spillpack_side(model, data, a))
+        peer_runs.append(peer_side(model, data, a, ours_runs[-1].get("threads")))
+        if a.rounds > 1:
+            print(f"  round {r + 1}: spillpack {ours_runs[-1]['tokens_per_s']:.1f} tokens/s, "
+                  f"transformers + PEFT {peer_runs[-1]['tokens_per_s']:.1f} ({uptime_load()})", flush=True)
+    ours, peer = median_run(ours_runs), median_run(peer_runs)
+    if a.rounds > 1:
+        ours["rounds"] = [round(x["tokens_per_s"], 1) for x in ours_runs]
+        peer["rounds"] = [round(x["tokens_per_s"], 1) for x in peer_runs]
     print(f"spillpack tune ({ours['dtype']}): {ours['tokens_per_s']:9.1f} tokens/s  peak RSS {ours['peak_rss_gb']:.2f} GB  "
-          f"checkpoint commit {ours['checkpoint_s']} s", flush=True)
+          f"checkpoint commit {ours['checkpoint_s']} s" + (" (median round)" if a.rounds > 1 else ""), flush=True)
     if ours.get("rate_gflops"):
         gflops = step_flops(model, data, a) / ours["step_seconds"] / 1e9
         ours["gflops"], ours["rate_fraction"] = gflops, gflops / ours["rate_gflops"]
         print(f"  a step's arithmetic: {gflops:.1f} GFLOP/s, {ours['rate_fraction']:.0%} of the engine's measured matmul rate "
               f"({ours['rate_gflops']} GFLOP/s, doctor's figure) with {ours['threads']} threads", flush=True)
-    peer = peer_side(model, data, a, ours.get("threads"))
     print(f"transformers + PEFT ({peer['dtype']}): {peer['tokens_per_s']:9.1f} tokens/s  peak RSS {peer['peak_rss_gb']:.2f} GB", flush=True)
     print(f"ratio: speed {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x, memory {ours['peak_rss_gb'] / peer['peak_rss_gb']:.2f}x "
           "(each side's own peak RSS, from getrusage in its process)")

@@ -20,16 +20,17 @@ REPO = HERE.parent
 README = REPO / "README.md"
 START, END = "<!-- perf-table: written by `make bench` (benchmarks/run_all.py) -->", "<!-- /perf-table -->"
 TABLE_RUNS = {  # the table's rows: JSON-reporting benchmarks
-    "tune tiny": ["bench_tune.py", "--shape", "tiny", "--steps", "20", "--json"],
+    # Alternating rounds, each side's median: this kind of host swings by 1.5x within minutes.
+    "tune tiny": ["bench_tune.py", "--shape", "tiny", "--steps", "20", "--rounds", "3", "--json"],
     # --dtype auto: spillpack's choice (bfloat16 on a CPU with native bfloat16) against PEFT in float32,
     # then both sides in float32 and both in bfloat16 (the peer's base cast as ours is)
-    "tune 0.5B": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--json"],
-    "tune 0.5B float32": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--dtype", "float32", "--json"],
-    "tune 0.5B bfloat16": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--dtype", "bfloat16", "--json"],
-    "run tiny mixed": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "mixed", "--threads", "1"],
-    "run tiny length": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "length", "--threads", "1"],
-    "run smollm2 mixed": ["bench_run.py", "--model", "smollm2", "--prompts", "32", "--stop", "mixed", "--threads", "1"],
-    "run smollm2 length": ["bench_run.py", "--model", "smollm2", "--prompts", "32", "--stop", "length", "--threads", "1"],
+    "tune 0.5B": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--json"],
+    "tune 0.5B float32": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--dtype", "float32", "--json"],
+    "tune 0.5B bfloat16": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--dtype", "bfloat16", "--json"],
+    "run tiny mixed": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "mixed", "--threads", "1", "--rounds", "3"],
+    "run tiny length": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "length", "--threads", "1", "--rounds", "3"],
+    "run smollm2 mixed": ["bench_run.py", "--model", "smollm2", "--prompts", "32", "--stop", "mixed", "--threads", "1", "--rounds", "3"],
+    "run smollm2 length": ["bench_run.py", "--model", "smollm2", "--prompts", "32", "--stop", "length", "--threads", "1", "--rounds", "3"],
     "shared cores": ["bench_shared.py", "--rounds", "1"],
 }
 OTHER_RUNS = [
@@ -95,7 +96,10 @@ def rows(results: dict) -> list[str]:
         t = results.get(key)
         if t:
             sp, peer = t["spillpack"], t["peer"]
-            dtypes = f" ({sp.get('dtype', '?')} / {peer.get('dtype', '?')})"
+            dtypes = f" ({sp.get('dtype', '?')} / {peer.get('dtype', '?')}"
+            if sp.get("rounds"):
+                dtypes += f"; median of {len(sp['rounds'])} alternating rounds: {sp['rounds']} / {peer['rounds']} tokens/s"
+            dtypes += ")"
             out.append(f"| `bench_tune.py {label}`{dtypes} | {sp['tokens_per_s']:.1f} tokens/s, {sp['peak_rss_gb']:.2f} GB"
                        + (f", {sp['rate_fraction']:.0%} of the measured matmul rate" if sp.get("rate_fraction") else "")
                        + f" | transformers + PEFT {peer['tokens_per_s']:.1f} tokens/s, {peer['peak_rss_gb']:.2f} GB "
@@ -103,7 +107,9 @@ def rows(results: dict) -> list[str]:
     for key in ("run tiny mixed", "run tiny length", "run smollm2 mixed", "run smollm2 length"):
         r = results.get(key)
         if r:
-            out.append(f"| `bench_run.py --model {r['model']} --prompts {r['prompts']} --stop {r['stop']} --threads 1` | "
+            rounds = r.get("rounds")
+            label = f" (median of {len(rounds['ratios'])} alternating rounds, ratios {rounds['ratios']})" if rounds else ""
+            out.append(f"| `bench_run.py --model {r['model']} --prompts {r['prompts']} --stop {r['stop']} --threads 1`{label} | "
                        f"{r['spillpack']['tokens_per_s']:.0f} tokens/s | generate {r['transformers']['tokens_per_s']:.0f} tokens/s | "
                        f"{r['ratio']:.2f}x, {r['token_identical_rows']} rows identical |")
     s = results.get("shared cores")
