@@ -36,6 +36,13 @@ SPAN_STEP, ROW_STEP = 32, 8
 class TorchLogits(Logits):
     """(n, V) logits as the model computed them: a torch tensor in its dtype, on its device."""
 
+    def argmax(self) -> list[int]:
+        if self.values.device.type == "cpu" and self.values.dtype == torch.float32:
+            # numpy's argmax on the tensor's own memory: a decode step of tiny at 8 rows spent
+            # 16 us on torch's argmax op against 5 us here (one thread).
+            return self.values.numpy().argmax(-1).tolist()
+        return self.values.argmax(-1).tolist()
+
     def row(self, n: int) -> np.ndarray:
         return self.values[n].float().cpu().numpy()
 
