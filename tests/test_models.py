@@ -294,20 +294,33 @@ def test_joined_projections_keep_the_checkpoint_and_equal_separate_linears(tmp_p
     assert torch.equal(got, expected)
 
 
-def test_transposed_storage_keeps_every_weight_and_the_logits(tmp_path):
-    """store_transposed (a float32 CPU base's generation): every linear weight and the tied head is
-    the checkpoint's tensor by value, lying as (in, out) in memory; the joined q/k/v and gate/up keep
-    that layout; logits match the plain layout within float32 rounding, in a prefill and in decode
-    steps through the KV cache, and the engine's load_model picks it on a float32 CPU base."""
+def _same_logits(plain, laid_out, vocab, tol=TOL):
+    """Logits of two models of one checkpoint within `tol`, in a prefill and in decode steps through the KV cache."""
+    ids = torch.tensor(ids_batch(vocab, [9, 9]))
+    with torch.no_grad():
+        assert max_diff(laid_out(ids), plain(ids)) < tol
+        caches = plain.make_cache(2, 16), laid_out.make_cache(2, 16)
+        first = [m(ids, cache=c)[:, -1] for m, c in zip((plain, laid_out), caches)]
+        assert max_diff(first[1], first[0]) < tol
+        step = first[0].argmax(-1)[:, None]
+        nxt = [m(step, cache=c)[:, -1] for m, c in zip((plain, laid_out), caches)]
+        assert max_diff(nxt[1], nxt[0]) < tol
+
+
+def test_cpu_inference_layout_stores_small_weights_transposed(tmp_path):
+    """cpu_inference_layout (a float32 CPU base's generation): weights under the packing threshold
+    (all of tiny's and of the small fixture's) are the checkpoint's tensors by value, lying as
+    (in, out) in memory; the joined q/k/v and gate/up keep that layout; logits match the plain
+    layout within float32 rounding; the engine's load_model picks it on a float32 CPU base."""
     from runtime.engines.registry import get_engine
 
     from runtime.models.tiny import ensure_tiny
 
-    tied = load_model(resolve_model(str(ensure_tiny())), transposed=True)
-    assert tied.lm_head is None and tied.model.embed_tokens.weight.t().is_contiguous()
+    tied = load_model(resolve_model(str(ensure_tiny())), cpu_inference=True)
+    assert tied.lm_head is None and tied.model.embed_tokens.weight.t().is_contiguous() and not tied.head_by_rows
     path, hf = make_qwen2(tmp_path / "q")  # q/k/v biases, a head of its own
     model_dir = resolve_model(str(path))
-    plain, moved = load_model(model_dir), load_model(model_dir, transposed=True)
+    plain, moved = load_model(model_dir), load_model(model_dir, cpu_inference=True)
     assert moved.lm_head.weight.t().is_contiguous() and moved.model.embed_tokens.weight.is_contiguous()
     for (name, a), (_, b) in zip(plain.state_dict().items(), moved.state_dict().items()):
         assert torch.equal(a, b), name
@@ -315,15 +328,43 @@ def test_transposed_storage_keeps_every_weight_and_the_logits(tmp_path):
     joined = attn.__dict__["joined_linears"][1][0]
     assert joined.t().is_contiguous() and attn.q_proj.weight.data_ptr() == joined.data_ptr()
     assert moved.model.layers[0].mlp.down_proj.weight.t().is_contiguous()
-    ids = torch.tensor(ids_batch(hf.config.vocab_size, [9, 9]))
-    with torch.no_grad():
-        assert torch.allclose(moved(ids), plain(ids), atol=1e-5, rtol=0)
-        caches = plain.make_cache(2, 16), moved.make_cache(2, 16)
-        first = [m(ids, cache=c)[:, -1] for m, c in zip((plain, moved), caches)]
-        assert torch.allclose(first[1], first[0], atol=1e-5, rtol=0)
-        step = first[0].argmax(-1)[:, None]
-        nxt = [m(step, cache=c)[:, -1] for m, c in zip((plain, moved), caches)]
-        assert torch.allclose(nxt[1], nxt[0], atol=1e-5, rtol=0)
+    _same_logits(plain, moved, hf.config.vocab_size, tol=1e-5)
     engine = get_engine("torch-cpu")
     if engine.base_dtype == torch.float32:
         assert engine.load_model(model_dir).model.layers[0].self_attn.o_proj.weight.t().is_contiguous()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cpu_inference_layout_packs_large_weights_for_onednn(tmp_path, monkeypatch, tied):
+    """Weights at or over the packing threshold (lowered here so the small fixture's are) run on
+    oneDNN packed once at load: q/k/v and gate/up packed joined, every other linear a PackedLinear,
+    the dense copies freed (the weights left on the meta device, shapes kept); a tied head
+    multiplies by rows. Logits match the plain layout within float32 rounding, through the KV
+    cache too, and with a LoRA adapter wrapping packed linears."""
+    from runtime.engines.torch.engine import apply_lora
+    from runtime.engines.torch.models import layout
+    from runtime.models.lora import LoraSpec, target_linears
+
+    if not layout.onednn_packs():
+        pytest.skip("this torch has no oneDNN weight packing (not an x86 build)")
+    monkeypatch.setattr(layout, "PACK_MIN_WEIGHTS", 1)
+    path, hf = make_qwen2(tmp_path / "q", tied=tied)
+    model_dir = resolve_model(str(path))
+    plain, packed = load_model(model_dir), load_model(model_dir, cpu_inference=True)
+    attn, mlp = packed.model.layers[0].self_attn, packed.model.layers[0].mlp
+    assert attn.__dict__["joined_linears"][0] == layout.PACKED and mlp.__dict__["joined_linears"][0] == layout.PACKED
+    assert attn.q_proj.weight.is_meta and attn.q_proj.weight.shape == plain.model.layers[0].self_attn.q_proj.weight.shape
+    for linear in (attn.o_proj, mlp.down_proj, *([] if tied else [packed.lm_head])):
+        assert type(linear) is layout.PackedLinear and linear.packed.layout == torch._mkldnn and linear.weight.is_meta
+    assert packed.head_by_rows == tied and not packed.model.embed_tokens.weight.is_meta
+    _same_logits(plain, packed, hf.config.vocab_size)
+
+    spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "o_proj", "down_proj"))
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, (fan_in, fan_out) in target_linears(model_dir.config, spec.targets).items():
+        tensors[f"{name}.lora_A.weight"] = torch.randn(4, fan_in, generator=g).numpy() * 0.1
+        tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, 4, generator=g).numpy() * 0.1
+    for model in (plain, packed):
+        apply_lora(model, tensors, spec, "cpu")
+    _same_logits(plain, packed, hf.config.vocab_size)

@@ -280,9 +280,9 @@ class TorchEngine:
         return TorchTrainSession(self, model_dir, spec, tensors, opt, seed)
 
     def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | None = None):
-        # A float32 CPU base's decode GEMMs run faster on weights stored transposed (layout.store_transposed).
-        transposed = self.device.type == "cpu" and self.base_dtype == torch.float32
-        model = load_model(model_dir, dtype=self.base_dtype, device=self.device, transposed=transposed)
+        # A float32 CPU base's GEMMs run faster on weights laid out for them (layout.cpu_inference_layout).
+        cpu_inference = self.device.type == "cpu" and self.base_dtype == torch.float32
+        model = load_model(model_dir, dtype=self.base_dtype, device=self.device, cpu_inference=cpu_inference)
         if adapter is not None:
             tensors, spec = adapter
             apply_lora(model, tensors, spec, self.device)

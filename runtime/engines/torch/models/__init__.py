@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime.base.heap import trim_heap
-from runtime.engines.torch.models.layout import join_linears, store_transposed
+from runtime.engines.torch.models.layout import cpu_inference_layout, join_linears
 from runtime.models.arch import architecture
 from runtime.models.weights import check_weights, read_tensors, weight_files
 
@@ -47,9 +47,10 @@ def load_checkpoint(model_dir: "ModelDir", dtype=torch.float32, device="cpu") ->
     return arch.sanitize(arch.args.from_dict(model_dir.config), load_weights(weight_files(model_dir.path), dtype, device))
 
 
-def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", transposed: bool = False):
-    """Build the architecture named by config.json and load its weights strictly; `transposed`:
-    the linear weights stored transposed (layout.store_transposed, a CPU float32 base's generation)."""
+def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", cpu_inference: bool = False):
+    """Build the architecture named by config.json and load its weights strictly; `cpu_inference`:
+    the weights laid out for a float32 CPU base's generation and evaluation (layout.cpu_inference_layout),
+    which no gradient may reach."""
     arch = architecture(model_dir.config, str(model_dir.path / "config.json"))
     args = arch.args.from_dict(model_dir.config)
     # Build on the meta device: no time or memory spent on a random init that is overwritten.
@@ -61,8 +62,8 @@ def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", transpo
                   {k: tuple(v.shape) for k, v in weights.items()}, files, model_dir)
     model.load_state_dict(weights, strict=True, assign=True)
     del weights
-    if transposed:
-        store_transposed(model)
+    if cpu_inference:
+        cpu_inference_layout(model)
     join_linears(model)
     trim_heap()
     return model.eval()

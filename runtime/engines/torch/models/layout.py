@@ -1,5 +1,6 @@
 """How a torch model's weights lie in memory for its GEMMs: projections that read the same input
-joined into one weight, and a float32 CPU base's weights stored transposed."""
+joined into one weight, and a float32 CPU base's inference layout (large weights packed for
+oneDNN, small ones stored transposed for MKL)."""
 
 from __future__ import annotations
 
@@ -7,24 +8,119 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.base.heap import trim_heap
 
-def store_transposed(model: nn.Module) -> None:
-    """Every linear weight (and a tied embedding, the head's weight) kept as the same (out, in)
-    tensor, a view of (in, out) memory. F.linear multiplies x by weight.t(), which is then
-    contiguous, and MKL's sgemm runs that plain product much faster than the transposed one at a
-    decode step's few rows. Measured on a 2-core Intel Xeon, one thread, float32, per call:
-    tiny's q/k/v (384 x 128) at 8 rows 23.9 -> 13.2 us, gate/up 39.4 -> 20.9; SmolLM2-135M's
-    gate/up (3072 x 576) 1226 -> 668 us, its 49,152-token head 52.8 -> 30.3 ms; at 256 rows (a
-    prefill) within 2% either way. A tied embedding's lookup then gathers strided columns (8
-    tokens 4.8 -> 62 us, a 2,048-token prefill chunk 0.7 -> 29 ms), far less than the head saves.
-    For generation and evaluation on a CPU's float32 base only: bfloat16 (oneDNN) gained at some
-    shapes and lost at others, and a tune's backward reads the weight the other way round."""
+
+# A float32 CPU base's linear of at least this many weights runs on oneDNN with its weight packed
+# once at load (PackedLinear); a smaller one on MKL with its weight stored transposed. Measured on
+# a 2-core AMD EPYC (AVX2), 8 rows, per call, MKL against packed oneDNN: SmolLM2-135M's gate/up
+# (3072 x 576) 974 -> 597 us at one thread and 974 -> 288 us at two (MKL runs a few rows on one
+# thread), its down (576 x 1536) 352 -> 229 / 366 -> 152 us; a 512-token prefill chunk of gate/up
+# 94 -> 153 GFLOP/s at two threads. At tiny's shapes (128 x 384 and smaller) a oneDNN call costs
+# more than it saves (22 -> 41 us), and the measured crossover lies near 128 x 1003.
+PACK_MIN_WEIGHTS = 1 << 18
+
+
+def cpu_inference_layout(model: nn.Module) -> None:
+    """Lay a float32 CPU base's weights out for generation and evaluation (no gradient reaches
+    them): linears of PACK_MIN_WEIGHTS or more packed for oneDNN, the dense copies freed (q/k/v
+    and gate/up packed joined, as joined_outputs runs them); a tied head over a large vocabulary
+    multiplied with the embedding as it lies (`head`).
+
+    Smaller weights, and a small tied head, are kept as the same (out, in) tensors, views of
+    (in, out) memory: F.linear multiplies x by weight.t(), which is then contiguous, and MKL runs
+    that plain product faster at a decode step's few rows (2-core Intel Xeon, one thread: tiny's
+    q/k/v at 8 rows 23.9 -> 13.2 us, gate/up 39.4 -> 20.9; on the AMD EPYC above, within 10%).
+    A tied embedding so stored gathers strided columns for its lookups (8 tokens 4.8 -> 62 us),
+    which only a small vocabulary's head repays."""
+    pack = onednn_packs()
     with torch.no_grad():
-        weights = [m for m in model.modules() if isinstance(m, nn.Linear)]
-        if getattr(model, "lm_head", True) is None:  # tied: the head multiplies by the embedding
-            weights.append(model.model.embed_tokens)
-        for m in weights:
-            m.weight = nn.Parameter(m.weight.t().contiguous().t(), requires_grad=m.weight.requires_grad)
+        for module in list(model.modules()):
+            for names in getattr(module, "joined", ()):
+                bases = [_base(getattr(module, n)) for n in names]
+                if pack and sum(b.weight.numel() for b in bases) >= PACK_MIN_WEIGHTS:
+                    bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
+                    weight = _pack(torch.cat([b.weight for b in bases]))
+                    module.__dict__["joined_linears"] = (PACKED, (weight, bias, [b.weight.shape[0] for b in bases]))
+                    for b in bases:
+                        _free_dense(b)
+                    trim_heap()  # the dense copy's pages back before the next is packed beside it
+        for m in list(model.modules()):
+            if type(m) is not nn.Linear or m.weight.is_meta:
+                continue
+            if pack and m.weight.numel() >= PACK_MIN_WEIGHTS:
+                m.packed = _pack(m.weight)
+                _free_dense(m)
+                m.__class__ = PackedLinear
+                trim_heap()
+            else:
+                m.weight = nn.Parameter(m.weight.t().contiguous().t(), requires_grad=m.weight.requires_grad)
+        tied = getattr(model, "lm_head", True) is None
+        if tied:
+            embed = model.model.embed_tokens
+            if embed.weight.numel() >= PACK_MIN_WEIGHTS:
+                model.head_by_rows = True
+            else:
+                embed.weight = nn.Parameter(embed.weight.t().contiguous().t(), requires_grad=embed.weight.requires_grad)
+
+
+def onednn_packs() -> bool:
+    """Whether this torch packs linear weights for oneDNN (x86 builds do; others fall back to MKL's
+    or the default GEMM with every weight dense)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ones(8, 8)
+        got = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), torch.ops.mkldnn._reorder_linear_weight(w, 8), None, "none", [], "")
+        return bool(torch.equal(got, torch.full((2, 8), 8.0)))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+PACKED = "packed"  # joined_linears' key for a packed joined weight (no dense weights to compare)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    # The batch size is a hint for the blocking: a packed weight serves every row count alike (the
+    # rows of one call are computed as they would be alone), and 8 is a decode step's.
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
+
+
+def _free_dense(m: nn.Linear) -> None:
+    """The dense weight dropped for a placeholder of its shape and dtype on the meta device: the
+    memory is the packed copy's alone, and any use of the dense weight fails loudly."""
+    m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"), requires_grad=False)
+
+
+def _base(m: nn.Module) -> nn.Module:
+    return getattr(m, "base", m)  # a LoRA wrapper's frozen linear
+
+
+def gemm(x, weight, bias=None):
+    """x @ weight^T + bias, for a dense weight or one packed by cpu_inference_layout."""
+    if weight.layout == torch._mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear whose weight lies packed for oneDNN (`packed`, made by cpu_inference_layout);
+    `weight` keeps its shape and dtype on the meta device."""
+
+    def forward(self, x):
+        return gemm(x, self.packed, self.bias)
+
+
+def head(hidden, weight, by_rows: bool):
+    """hidden @ weight^T for a head of (vocab, hidden) weights. `by_rows` (a tied head over a large
+    vocabulary, cpu_inference_layout's): as weight @ hidden^T, the embedding read as it lies and
+    MKL splitting the vocabulary across threads, where hidden @ weight^T runs a decode step's few
+    rows on one thread (SmolLM2-135M, 8 rows, 2 threads: 27.0 -> 11.2 ms; one thread 28.5 -> 21.5).
+    Packing the head would need a second copy of the embedding for its lookups."""
+    if not by_rows:
+        return F.linear(hidden, weight)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return torch.mm(weight, flat.t()).t().contiguous().view(*hidden.shape[:-1], weight.shape[0])
 
 
 def linear(module: nn.Module, x):
@@ -34,7 +130,7 @@ def linear(module: nn.Module, x):
     (a LoRA wrapper) is called as a module. No module of the engine's models carries hooks."""
     if type(module) is nn.Linear:
         return F.linear(x, module.weight, module.bias)
-    return module(x)
+    return module(x)  # a PackedLinear or a LoRA wrapper
 
 
 def _transposed(w: torch.Tensor) -> bool:
@@ -59,7 +155,7 @@ def joined_outputs(module: nn.Module, names: tuple[str, ...], x) -> list:
         outs = [b(x) for b in bases]
     else:
         weight, bias, sizes = joined
-        outs = list(F.linear(x, weight, bias).split(sizes, dim=-1))
+        outs = list(gemm(x, weight, bias).split(sizes, dim=-1))
     return [y if m is b else m.add_update(y, x) for y, m, b in zip(outs, linears, bases)]
 
 
@@ -67,15 +163,17 @@ def _joined(module: nn.Module, bases: list):
     """(weight, bias, sizes) joining `bases`, made on first use and again whenever a weight has
     moved (model.to(), a reload); None where a weight is being trained, whose gradient must
     reach its own parameter (the engine's base is frozen: this is for other callers)."""
+    cached = module.__dict__.get("joined_linears")
+    if cached is not None and cached[0] == PACKED:
+        return cached[1]
     weights = [b.weight for b in bases]
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         return None
     ptrs = tuple(w.data_ptr() for w in weights)
-    cached = module.__dict__.get("joined_linears")
     if cached is not None and cached[0] == ptrs:
         return cached[1]
     with torch.no_grad():
-        if all(_transposed(w) for w in weights):  # store_transposed's layout, kept: (out, in) views of (in, out) memory
+        if all(_transposed(w) for w in weights):  # cpu_inference_layout's transposed weights, kept: (out, in) views of (in, out) memory
             weight = torch.cat([w.t() for w in weights], dim=1).t()
         else:
             weight = torch.cat(weights)
