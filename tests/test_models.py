@@ -317,7 +317,7 @@ def test_cpu_inference_layout_stores_small_weights_transposed(tmp_path):
     from runtime.models.tiny import ensure_tiny
 
     tied = load_model(resolve_model(str(ensure_tiny())), cpu_inference=True)
-    assert tied.lm_head is None and tied.model.embed_tokens.weight.t().is_contiguous() and not tied.head_by_rows
+    assert tied.lm_head is None and tied.model.embed_tokens.weight.t().is_contiguous() and tied.head_kernel == "linear"
     path, hf = make_qwen2(tmp_path / "q")  # q/k/v biases, a head of its own
     model_dir = resolve_model(str(path))
     plain, moved = load_model(model_dir), load_model(model_dir, cpu_inference=True)
@@ -342,10 +342,10 @@ def test_cpu_inference_layout_packs_large_weights_for_onednn(tmp_path, monkeypat
     multiplies by rows. Logits match the plain layout within float32 rounding, through the KV
     cache too, and with a LoRA adapter wrapping packed linears."""
     from runtime.engines.torch.engine import apply_lora
-    from runtime.engines.torch.models import layout
+    from runtime.engines.torch.models import gemm, layout
     from runtime.models.lora import LoraSpec, target_linears
 
-    if not layout.onednn_packs():
+    if not gemm.onednn_linear():
         pytest.skip("this torch has no oneDNN weight packing (not an x86 build)")
     monkeypatch.setattr(layout, "PACK_MIN_WEIGHTS", 1)
     path, hf = make_qwen2(tmp_path / "q", tied=tied)
@@ -355,8 +355,8 @@ def test_cpu_inference_layout_packs_large_weights_for_onednn(tmp_path, monkeypat
     assert attn.__dict__["joined_linears"][0] == layout.PACKED and mlp.__dict__["joined_linears"][0] == layout.PACKED
     assert attn.q_proj.weight.is_meta and attn.q_proj.weight.shape == plain.model.layers[0].self_attn.q_proj.weight.shape
     for linear in (attn.o_proj, mlp.down_proj, *([] if tied else [packed.lm_head])):
-        assert type(linear) is layout.PackedLinear and linear.packed.layout == torch._mkldnn and linear.weight.is_meta
-    assert packed.head_by_rows == tied and not packed.model.embed_tokens.weight.is_meta
+        assert type(linear) is gemm.PackedLinear and linear.packed.layout == torch._mkldnn and linear.weight.is_meta
+    assert packed.head_kernel == ("by_rows" if tied else "linear") and not packed.model.embed_tokens.weight.is_meta
     _same_logits(plain, packed, hf.config.vocab_size)
 
     spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "o_proj", "down_proj"))
@@ -368,3 +368,45 @@ def test_cpu_inference_layout_packs_large_weights_for_onednn(tmp_path, monkeypat
     for model in (plain, packed):
         apply_lora(model, tensors, spec, "cpu")
     _same_logits(plain, packed, hf.config.vocab_size)
+
+
+def test_cpu_training_layout_keeps_the_loss_and_the_lora_gradients(tmp_path, monkeypatch):
+    """A tune on a float32 CPU base runs its large frozen linears and tied head forward on oneDNN
+    (layout.cpu_training_layout; the threshold lowered here so the small fixture's are): the loss and
+    every LoRA gradient of a step equal the default kernels' within float32 rounding, the modules
+    are FrozenLinear, and no gradient reaches the base."""
+    import numpy as np
+
+    from runtime.engines import OptimSpec
+    from runtime.engines.registry import get_engine
+    from runtime.engines.torch.models import gemm, layout
+    from runtime.models.lora import LoraSpec, target_linears
+
+    if not gemm.onednn_linear():
+        pytest.skip("this torch has no oneDNN linear (not an x86 build)")
+    path, hf = make_qwen2(tmp_path / "q", tied=True)
+    model_dir = resolve_model(str(path))
+    engine = get_engine("torch-cpu", base_dtype="float32")
+    spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "o_proj", "down_proj"))
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for name, (fan_in, fan_out) in target_linears(model_dir.config, spec.targets).items():
+        tensors[f"{name}.lora_A.weight"] = (rng.standard_normal((4, fan_in)) * 0.1).astype(np.float32)
+        tensors[f"{name}.lora_B.weight"] = (rng.standard_normal((fan_out, 4)) * 0.1).astype(np.float32)
+    ids = np.array(ids_batch(hf.config.vocab_size, [12, 12, 12]), dtype=np.int64)
+    labels = ids.copy()
+    labels[:, :4] = -100
+    results = {}
+    for threshold in (1, 1 << 60):
+        monkeypatch.setattr(layout, "PACK_MIN_WEIGHTS", threshold)
+        session = engine.train_session(model_dir, spec, tensors, OptimSpec())
+        loss, _ = session.forward_backward([(ids, labels)], int((labels != -100).sum()))
+        results[threshold] = loss, {n: p.grad.clone() for n, p in session.params.items()}
+        frozen = session.model.model.layers[0].mlp.gate_proj
+        assert (type(frozen) is gemm.FrozenLinear) == (threshold == 1)
+        assert session.model.head_kernel == ("frozen" if threshold == 1 else "linear")
+        assert all(p.grad is None for n, p in session.model.named_parameters() if "lora_" not in n)
+    (loss, grads), (plain_loss, plain_grads) = results[1], results[1 << 60]
+    assert abs(loss - plain_loss) <= 1e-5 * abs(plain_loss)
+    for name, g in plain_grads.items():
+        assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-6), name

@@ -22,6 +22,7 @@ from runtime.engines.hardware import TRAIN_MMAP_THRESHOLD, return_freed_memory
 from runtime.engines.torch.device import PeakMemory, describe, fit_threads, make_deterministic
 from runtime.engines.torch.loss import target_loss
 from runtime.engines.torch.models import load_checkpoint, load_model, routed_tokens
+from runtime.engines.torch.models.layout import cpu_training_layout
 from runtime.engines.torch.optim import AdamW
 from runtime.engines.torch.precision import LossScaler, device_precision, grads_finite, precision_of
 from runtime.engines import OptimSpec
@@ -101,6 +102,8 @@ class TorchTrainSession:
         self.model = load_model(model_dir, dtype=engine.base_dtype, device=engine.device)
         for p in self.model.parameters():
             p.requires_grad_(False)
+        if engine.device.type == "cpu" and engine.base_dtype == torch.float32:
+            cpu_training_layout(self.model)
         self.keys = DropoutKeys() if spec.dropout > 0 else None
         self.params = apply_lora(self.model, tensors, spec, engine.device, self.keys)
         self.names = sorted(self.params)

@@ -1,6 +1,7 @@
 """How a torch model's weights lie in memory for its GEMMs: projections that read the same input
-joined into one weight, and a float32 CPU base's inference layout (large weights packed for
-oneDNN, small ones stored transposed for MKL)."""
+joined into one weight, and a float32 CPU base's layouts for inference (large weights packed for
+oneDNN, small ones stored transposed for MKL) and for a tune (large frozen linears on oneDNN):
+the kernels are runtime/engines/torch/models/gemm.py's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.base.heap import trim_heap
+from runtime.engines.torch.models.gemm import FrozenLinear, PackedLinear, gemm, onednn_linear, pack
 
 
 # A float32 CPU base's linear of at least this many weights runs on oneDNN with its weight packed
@@ -33,14 +35,14 @@ def cpu_inference_layout(model: nn.Module) -> None:
     q/k/v at 8 rows 23.9 -> 13.2 us, gate/up 39.4 -> 20.9; on the AMD EPYC above, within 10%).
     A tied embedding so stored gathers strided columns for its lookups (8 tokens 4.8 -> 62 us),
     which only a small vocabulary's head repays."""
-    pack = onednn_packs()
+    packs = onednn_linear()
     with torch.no_grad():
         for module in list(model.modules()):
             for names in getattr(module, "joined", ()):
                 bases = [_base(getattr(module, n)) for n in names]
-                if pack and sum(b.weight.numel() for b in bases) >= PACK_MIN_WEIGHTS:
+                if packs and sum(b.weight.numel() for b in bases) >= PACK_MIN_WEIGHTS:
                     bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
-                    weight = _pack(torch.cat([b.weight for b in bases]))
+                    weight = pack(torch.cat([b.weight for b in bases]))
                     module.__dict__["joined_linears"] = (PACKED, (weight, bias, [b.weight.shape[0] for b in bases]))
                     for b in bases:
                         _free_dense(b)
@@ -48,8 +50,8 @@ def cpu_inference_layout(model: nn.Module) -> None:
         for m in list(model.modules()):
             if type(m) is not nn.Linear or m.weight.is_meta:
                 continue
-            if pack and m.weight.numel() >= PACK_MIN_WEIGHTS:
-                m.packed = _pack(m.weight)
+            if packs and m.weight.numel() >= PACK_MIN_WEIGHTS:
+                m.packed = pack(m.weight)
                 _free_dense(m)
                 m.__class__ = PackedLinear
                 trim_heap()
@@ -59,31 +61,26 @@ def cpu_inference_layout(model: nn.Module) -> None:
         if tied:
             embed = model.model.embed_tokens
             if embed.weight.numel() >= PACK_MIN_WEIGHTS:
-                model.head_by_rows = True
+                model.head_kernel = "by_rows"
             else:
                 embed.weight = nn.Parameter(embed.weight.t().contiguous().t(), requires_grad=embed.weight.requires_grad)
 
 
-def onednn_packs() -> bool:
-    """Whether this torch packs linear weights for oneDNN (x86 builds do; others fall back to MKL's
-    or the default GEMM with every weight dense)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.ones(8, 8)
-        got = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), torch.ops.mkldnn._reorder_linear_weight(w, 8), None, "none", [], "")
-        return bool(torch.equal(got, torch.full((2, 8), 8.0)))
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
+def cpu_training_layout(model: nn.Module) -> None:
+    """A tune's frozen linears of PACK_MIN_WEIGHTS or more, on a float32 CPU base, as FrozenLinear:
+    forward on oneDNN over the dense weight (no copy), the input's gradient on MKL; a large tied
+    head so too (gemm.head's "frozen")."""
+    if not onednn_linear():
+        return
+    for m in model.modules():
+        if type(m) is nn.Linear and not m.weight.requires_grad and m.weight.numel() >= PACK_MIN_WEIGHTS:
+            m.__class__ = FrozenLinear
+    embed = model.model.embed_tokens.weight
+    if getattr(model, "lm_head", True) is None and not embed.requires_grad and embed.numel() >= PACK_MIN_WEIGHTS:
+        model.head_kernel = "frozen"
 
 
 PACKED = "packed"  # joined_linears' key for a packed joined weight (no dense weights to compare)
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    # The batch size is a hint for the blocking: a packed weight serves every row count alike (the
-    # rows of one call are computed as they would be alone), and 8 is a decode step's.
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
 
 
 def _free_dense(m: nn.Linear) -> None:
@@ -94,33 +91,6 @@ def _free_dense(m: nn.Linear) -> None:
 
 def _base(m: nn.Module) -> nn.Module:
     return getattr(m, "base", m)  # a LoRA wrapper's frozen linear
-
-
-def gemm(x, weight, bias=None):
-    """x @ weight^T + bias, for a dense weight or one packed by cpu_inference_layout."""
-    if weight.layout == torch._mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-class PackedLinear(nn.Linear):
-    """An nn.Linear whose weight lies packed for oneDNN (`packed`, made by cpu_inference_layout);
-    `weight` keeps its shape and dtype on the meta device."""
-
-    def forward(self, x):
-        return gemm(x, self.packed, self.bias)
-
-
-def head(hidden, weight, by_rows: bool):
-    """hidden @ weight^T for a head of (vocab, hidden) weights. `by_rows` (a tied head over a large
-    vocabulary, cpu_inference_layout's): as weight @ hidden^T, the embedding read as it lies and
-    MKL splitting the vocabulary across threads, where hidden @ weight^T runs a decode step's few
-    rows on one thread (SmolLM2-135M, 8 rows, 2 threads: 27.0 -> 11.2 ms; one thread 28.5 -> 21.5).
-    Packing the head would need a second copy of the embedding for its lookups."""
-    if not by_rows:
-        return F.linear(hidden, weight)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    return torch.mm(weight, flat.t()).t().contiguous().view(*hidden.shape[:-1], weight.shape[0])
 
 
 def linear(module: nn.Module, x):

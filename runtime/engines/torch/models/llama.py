@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from runtime.engines.torch.models.attention import KVCache, PackedStep, build_mask, decode_attention, decode_bias
-from runtime.engines.torch.models.layout import head, joined_outputs, linear
+from runtime.engines.torch.models.gemm import head
+from runtime.engines.torch.models.layout import joined_outputs, linear
 from runtime.models.args import ModelArgs, rope
 
 
@@ -244,7 +245,7 @@ class LlamaModel(nn.Module):
 
 class Model(nn.Module):
     decoder = LlamaModel  # a family's decoder stack
-    head_by_rows = False  # a tied head's product as layout.head takes it (layout.cpu_inference_layout sets it)
+    head_kernel = "linear"  # a tied head's product, as gemm.head takes it (the layouts of layout.py set it)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -261,7 +262,7 @@ class Model(nn.Module):
     def logits(self, hidden):
         """(..., D) -> (..., V); kept apart so training can project only the positions with loss."""
         if self.lm_head is None:
-            return head(hidden, self.model.embed_tokens.weight, self.head_by_rows)
+            return head(hidden, self.model.embed_tokens.weight, self.head_kernel)
         return linear(self.lm_head, hidden)
 
     def forward(self, input_ids, positions=None, cache=None, attn_mask=None):

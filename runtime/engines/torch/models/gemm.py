@@ -1,0 +1,97 @@
+"""The GEMM kernels a float32 CPU base's linears run on, beside torch's default (MKL's sgemm):
+oneDNN's, with a weight packed once for inference (PackedLinear) or read dense for a tune's frozen
+base (FrozenLinear), and a tied head's product taken by rows (`head`).
+
+On a 2-core AMD EPYC (AVX2), MKL runs a few rows on one thread and at 35-45 GFLOP/s where oneDNN
+reaches 60-100 at two threads (decode shapes), and a tune's forward shapes at 99-121 GFLOP/s
+where oneDNN reaches 152-158; the figures are with each use below.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@functools.cache
+def onednn_linear() -> bool:
+    """Whether this torch runs linears on oneDNN with packed weights (x86 builds do; elsewhere
+    every linear stays on torch's default GEMM)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8), 8)
+        got = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), packed, None, "none", [], "")
+        return bool(torch.equal(got, torch.full((2, 8), 8.0)))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The (out, in) weight in oneDNN's blocked layout for `gemm`. The batch size given is a hint
+    for the blocking: a packed weight serves every row count, each row computed as it would be
+    alone; 8 is a decode step's."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
+
+
+def gemm(x, weight, bias=None):
+    """x @ weight^T + bias, for a dense weight or one `pack`ed."""
+    if weight.layout == torch._mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear whose weight lies packed for oneDNN (`packed`, made by
+    layout.cpu_inference_layout); `weight` keeps its shape and dtype on the meta device."""
+
+    def forward(self, x):
+        return gemm(x, self.packed, self.bias)
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """x W^T + b for a W and b no gradient reaches: forward on oneDNN reading W as it lies, the
+    input's gradient g W on MKL. Only W is kept for backward (no weight gradient needs x)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(weight)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight, None, None
+
+
+class FrozenLinear(nn.Linear):
+    """A tune's frozen linear on a float32 CPU base (layout.cpu_training_layout). Qwen2.5-0.5B's
+    shapes, 692 tokens, 2 threads of the AMD EPYC above, forward: q/k/v 13.1 -> 9.1 ms, gate
+    110 -> 76, down 49.7 -> 39.5; oneDNN's input gradient read from the same dense weight was
+    slower than MKL's (95 -> 135 ms at gate), and a packed transpose would be a second copy."""
+
+    def forward(self, x):
+        if self.weight.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        return _FrozenLinear.apply(x, self.weight, self.bias)
+
+
+def head(hidden, weight, kernel: str = "linear"):
+    """hidden @ weight^T for a tied head of (vocab, hidden) weights, by `kernel` (Model.head_kernel,
+    set by the layouts of runtime/engines/torch/models/layout.py for a large vocabulary):
+    - "linear": F.linear;
+    - "by_rows" (inference): as weight @ hidden^T, the embedding read as it lies and MKL splitting
+      the vocabulary across threads, where hidden @ weight^T runs a decode step's few rows on one
+      thread (SmolLM2-135M, 8 rows, 2 threads: 27.0 -> 11.2 ms; one thread 28.5 -> 21.5). Packing
+      the head would need a second copy of the embedding for its lookups;
+    - "frozen" (a tune): _FrozenLinear, the forward on oneDNN (Qwen2.5-0.5B's 151,936-token head at
+      296 positions, 2 threads: 1047 -> 548 ms, no copy of the weight made)."""
+    if kernel == "by_rows":
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return torch.mm(weight, flat.t()).t().contiguous().view(*hidden.shape[:-1], weight.shape[0])
+    if kernel == "frozen" and not weight.requires_grad:
+        return _FrozenLinear.apply(hidden, weight, None)
+    return F.linear(hidden, weight)
