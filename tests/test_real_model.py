@@ -217,14 +217,23 @@ def test_tune_resumed_after_sigterm_is_bit_identical(real, tuned, tmp_path):
         assert (state / "adapter" / name).read_bytes() == (tuned["adapter"] / name).read_bytes(), name
 
 
+# How much further from float64 our float32 logits may land than PEFT's float32 run (MKL's GEMMs):
+# oneDNN's sums measured 2.4x on this test on an AVX2 AMD EPYC (the bound was 1.25x when both ran
+# MKL); 4x leaves room for another CPU's oneDNN kernels.
+KERNEL_ROUNDING = 4.0
+
+
 @pytest.mark.slow
 def test_adapter_loads_in_peft_on_the_transformers_gguf_model(real, tuned):
     """Logits through the adapter, ours against PEFT's on transformers' model from the same GGUF.
 
     This model's logits reach ~35, where float32 rounding alone moves them by ~1e-4 (two float32
-    runs of PEFT itself differ from its float64 run by 8e-5): the adapter is held to within 1e-4
-    of PEFT's float32 logits where that is float32's resolution, and to be no further from PEFT's
-    float64 logits than PEFT's own float32 run is."""
+    runs of PEFT itself differ from its float64 run by 8e-5). Our float32 CPU base runs its large
+    linears on oneDNN (runtime/engines/torch/models/gemm.py), whose float32 sums land further from
+    float64 than MKL's (here 1.66e-4 against PEFT's 7.05e-5; random 8 x 576 x 3072 products
+    1.1e-4 against 4.6e-5), still float32's rounding (ulp(36) = 3.8e-6). So the adapter is held to
+    within KERNEL_ROUNDING times PEFT's own float32 error, of PEFT's float32 logits and of its
+    float64 ones; a wrong adapter (a scale, a transpose) moves logits by more than 1e-2."""
     path, md, hf, tok = real
     ids = torch.tensor([Tokenizer.from_dir(md.path).encode_prompt([{"role": "user", "content": "Is this review positive "
                                                                     "or negative? Answer with one word.\n\nThe food was great."}])])
@@ -245,8 +254,8 @@ def test_adapter_loads_in_peft_on_the_transformers_gguf_model(real, tuned):
     ours_err, peft_err, diff = (got - ref).abs().max().item(), (want - ref).abs().max().item(), (got - want).abs().max().item()
     print(f"adapter logits: max |ours - PEFT| {diff:.2e} (logits up to {scale:.1f}); from float64: ours {ours_err:.2e}, "
           f"PEFT float32 {peft_err:.2e}")
-    assert diff < max(TOL, 2 * peft_err)
-    assert ours_err <= 1.25 * peft_err + 1e-6
+    assert diff < max(TOL, (1 + KERNEL_ROUNDING) * peft_err)
+    assert ours_err <= KERNEL_ROUNDING * peft_err + 1e-6
     assert (plain - want).abs().max().item() > 1e-2  # the adapter really changes the model
 
 
