@@ -410,3 +410,19 @@ def test_cpu_training_layout_keeps_the_loss_and_the_lora_gradients(tmp_path, mon
     assert abs(loss - plain_loss) <= 1e-5 * abs(plain_loss)
     for name, g in plain_grads.items():
         assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-6), name
+
+
+def test_the_measured_matmul_rate_is_the_kernel_the_linears_run_on(monkeypatch):
+    """doctor's rate (and the tune benchmark's share of it) on a float32 CPU base times oneDNN's
+    packed linear where the engine's large linears run on it, not MKL's torch.mm."""
+    from runtime.engines import hardware
+    from runtime.engines.torch.models import gemm
+
+    if not gemm.onednn_linear():
+        pytest.skip("this torch has no oneDNN linear (not an x86 build)")
+    calls = []
+    real = gemm.gemm
+    monkeypatch.setattr(gemm, "gemm", lambda x, w, b=None: calls.append(w.layout) or real(x, w, b))
+    rate = hardware.measure("torch-cpu", seconds=0.05, dtype="float32")
+    assert rate["matmul_dtype"] == "float32" and rate["matmul_gflops"] > 0
+    assert calls and set(calls) == {torch._mkldnn}
