@@ -31,7 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runtime.base.threads import quiet_openmp  # noqa: E402
+
+quiet_openmp()  # what every spillpack entry point sets before torch loads (both sides run in this process)
+
+import torch  # noqa: E402
 
 
 def make_qwen05_shape(out: Path) -> Path:

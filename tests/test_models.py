@@ -307,15 +307,32 @@ def _same_logits(plain, laid_out, vocab, tol=TOL):
         assert max_diff(nxt[1], nxt[0]) < tol
 
 
-def test_cpu_inference_layout_stores_small_weights_transposed(tmp_path):
+@pytest.fixture
+def small_gemm(monkeypatch):
+    """Set SPILLPACK_SMALL_GEMM (which kernel a float32 CPU base's small products of inference run
+    on) for one test, whatever this machine measures."""
+    from runtime.engines.torch.models.small_gemm import blas_is_faster
+
+    def choose(kernel: str):
+        monkeypatch.setenv("SPILLPACK_SMALL_GEMM", kernel)
+        blas_is_faster.cache_clear()
+
+    yield choose
+    monkeypatch.delenv("SPILLPACK_SMALL_GEMM", raising=False)
+    blas_is_faster.cache_clear()
+
+
+def test_cpu_inference_layout_stores_small_weights_transposed(tmp_path, small_gemm):
     """cpu_inference_layout (a float32 CPU base's generation): weights under the packing threshold
     (all of tiny's and of the small fixture's) are the checkpoint's tensors by value, lying as
     (in, out) in memory; the joined q/k/v and gate/up keep that layout; logits match the plain
-    layout within float32 rounding; the engine's load_model picks it on a float32 CPU base."""
+    layout within float32 rounding; the engine's load_model picks it on a float32 CPU base.
+    (Their products on MKL: SPILLPACK_SMALL_GEMM=mkl; numpy's BLAS is the next test's.)"""
     from runtime.engines.registry import get_engine
 
     from runtime.models.tiny import ensure_tiny
 
+    small_gemm("mkl")
     tied = load_model(resolve_model(str(ensure_tiny())), cpu_inference=True)
     assert tied.lm_head is None and tied.model.embed_tokens.weight.t().is_contiguous() and tied.head_kernel == "linear"
     path, hf = make_qwen2(tmp_path / "q")  # q/k/v biases, a head of its own
@@ -332,6 +349,73 @@ def test_cpu_inference_layout_stores_small_weights_transposed(tmp_path):
     engine = get_engine("torch-cpu")
     if engine.base_dtype == torch.float32:
         assert engine.load_model(model_dir).model.layers[0].self_attn.o_proj.weight.t().is_contiguous()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_small_products_of_inference_on_numpys_blas(tmp_path, small_gemm, tied):
+    """Where numpy's BLAS runs the small products (SPILLPACK_SMALL_GEMM=blas, as small_gemm's
+    measurement chooses on an AMD EPYC): every small linear is a BlasLinear over its transposed
+    weight's memory, q/k/v and gate/up multiply through one numpy view of their joined weight, which
+    the separate weights are views into, a tied head takes the "blas" kernel, and the checkpoint's
+    tensors are unchanged. Logits match the plain layout within float32 rounding in a prefill and
+    in decode steps through the KV cache (decode_attention's products on numpy too), and again with
+    a LoRA adapter wrapping BLAS linears."""
+    import numpy as np
+
+    from runtime.engines.torch.engine import apply_lora
+    from runtime.engines.torch.models import gemm, layout
+    from runtime.models.lora import LoraSpec, target_linears
+
+    small_gemm("blas")
+    path, hf = make_qwen2(tmp_path / "q", tied=tied)
+    model_dir = resolve_model(str(path))
+    plain, moved = load_model(model_dir), load_model(model_dir, cpu_inference=True)
+    for (name, a), (_, b) in zip(plain.state_dict().items(), moved.state_dict().items()):
+        assert torch.equal(a, b), name
+    attn, mlp = moved.model.layers[0].self_attn, moved.model.layers[0].mlp
+    for module, first in ((attn, attn.q_proj), (mlp, mlp.gate_proj)):
+        assert module.__dict__["joined_kernel"] == layout.BLAS
+        joined = module.__dict__["joined_linears"][1][0]
+        assert isinstance(joined, np.ndarray) and joined.flags.c_contiguous
+        assert joined.ctypes.data == first.weight.data_ptr() and type(first) is torch.nn.Linear
+    for linear in (attn.o_proj, mlp.down_proj, *([] if tied else [moved.lm_head])):
+        assert type(linear) is gemm.BlasLinear and linear.weight_t.ctypes.data == linear.weight.data_ptr()
+    assert moved.head_kernel == ("blas" if tied else "linear")
+    _same_logits(plain, moved, hf.config.vocab_size, tol=1e-5)
+
+    spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "o_proj", "down_proj"))
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, (fan_in, fan_out) in target_linears(model_dir.config, spec.targets).items():
+        tensors[f"{name}.lora_A.weight"] = torch.randn(4, fan_in, generator=g).numpy() * 0.1
+        tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, 4, generator=g).numpy() * 0.1
+    for model in (plain, moved):
+        apply_lora(model, tensors, spec, "cpu")
+    _same_logits(plain, moved, hf.config.vocab_size, tol=1e-5)
+
+
+def test_small_gemm_choice_is_measured_once_and_kept(monkeypatch):
+    """small_gemm's choice comes from one measurement of both kernels on a decode step's shapes,
+    kept in the rates cache: a second process (the cache cleared in memory) reads it instead of
+    measuring again, and the margin decides."""
+    from runtime.engines.torch.models import small_gemm
+
+    monkeypatch.delenv("SPILLPACK_SMALL_GEMM", raising=False)
+    measured = small_gemm.measure()
+    assert measured["mkl_s"] > 0 and measured["blas_s"] > 0
+    calls = []
+    monkeypatch.setattr(small_gemm, "measure", lambda: calls.append(1) or {"mkl_s": 3.0, "blas_s": 2.0})
+    monkeypatch.setattr(small_gemm.torch, "get_num_threads", lambda: 97)  # a cache key no other test has
+    small_gemm.blas_is_faster.cache_clear()
+    try:
+        assert small_gemm.blas_is_faster() is True and calls == [1]  # 3.0 >= 1.2 * 2.0
+        small_gemm.blas_is_faster.cache_clear()
+        assert small_gemm.blas_is_faster() is True and calls == [1]  # read back, not measured again
+        monkeypatch.setenv("SPILLPACK_SMALL_GEMM", "mkl")
+        small_gemm.blas_is_faster.cache_clear()
+        assert small_gemm.blas_is_faster() is False
+    finally:
+        small_gemm.blas_is_faster.cache_clear()
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -48,10 +48,11 @@ def test_idle_cpus_sees_a_busy_core():
 def test_passive_wait_is_set_unless_the_user_chose():
     env = {}
     quiet_openmp(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16",
+                   "OPENBLAS_NUM_THREADS": "1"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE", "OPENBLAS_NUM_THREADS": "4"}
     quiet_openmp(env)
-    assert env["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE" and env["OPENBLAS_NUM_THREADS"] == "4"
 
 
 @pytest.mark.parametrize("entry", ["runtime", "spillpack"])

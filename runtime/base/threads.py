@@ -36,7 +36,11 @@ from pathlib import Path
 # bfloat16 `run` of 128 rows on SmolLM2-135M peaked at 676 MB with the defaults, 636 MB with 16
 # (a plan of 610), at the same speed; a bfloat16 tune step of the Qwen2.5-0.5B shape, 57 and 59
 # tokens/s (measured on 2 threads of an Intel Xeon with AVX512-BF16).
-BEFORE_TORCH = {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16"}
+# numpy's OpenBLAS (the small products of inference where it is faster: runtime/engines/torch/
+# models/small_gemm.py) runs on one thread: its idle threads spin beside torch's, and a decode
+# step's products are too small to split.
+BEFORE_TORCH = {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "LRU_CACHE_CAPACITY": "16",
+                "OPENBLAS_NUM_THREADS": "1"}
 SAMPLE_S = 0.1  # per-CPU idle time is sampled this long at a job's start (10 clock ticks per CPU)
 
 

@@ -29,6 +29,10 @@ def cpu_dtype_policy(measure_rates: bool) -> dict:
         rate = measure("torch-cpu", dtype="bfloat16")
         remember_rate("torch-cpu", rate, "bfloat16")
         out["bf16_matmul_gflops"] = rate["matmul_gflops"]
+    if measure_rates:
+        from runtime.engines.torch.models.small_gemm import describe
+
+        out["small_gemm"] = describe()
     return out
 
 

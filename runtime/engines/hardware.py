@@ -173,6 +173,23 @@ def remember_rate(name: str, rate: dict, dtype: str | None = None) -> None:
         pass  # an estimate's cache must never fail a job
 
 
+def cached_measurement(name: str, what: str, measure_now) -> dict:
+    """A measurement of engine `name` on this machine (`what` names it), remembered in the rates
+    cache: the cached one where there is one, else `measure_now()`'s, kept for later jobs. The
+    choices made from it (runtime/engines/torch/models/small_gemm.py) stay put between jobs."""
+    import orjson
+
+    try:
+        cached = orjson.loads((spillpack_home() / RATES_FILE).read_bytes()).get(_rates_key(name, what))
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        cached = None
+    if isinstance(cached, dict) and cached:
+        return cached
+    measured = measure_now()
+    remember_rate(name, measured, what)
+    return measured
+
+
 def engine_rate(name: str, dtype: str | None = None) -> dict:
     """This engine's measured rate here (in `dtype`, the job's base dtype, where given):
     remembered from doctor or an earlier job, else measured now (a quarter of a second) and

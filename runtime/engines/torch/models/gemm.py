@@ -1,6 +1,8 @@
 """The GEMM kernels a float32 CPU base's linears run on, beside torch's default (MKL's sgemm):
 oneDNN's, with a weight packed once for inference (PackedLinear) or read dense for a tune's frozen
-base (FrozenLinear), and a tied head's product taken by rows (`head`).
+base (FrozenLinear), a tied head's product taken by rows (`head`), and numpy's BLAS (OpenBLAS in
+numpy's wheels) for the small products of inference where it is measured faster (BlasLinear,
+`blas_matmul`, runtime/engines/torch/models/small_gemm.py).
 
 On a 2-core AMD EPYC (AVX2), MKL runs a few rows on one thread and at 35-45 GFLOP/s where oneDNN
 reaches 60-100 at two threads (decode shapes), and a tune's forward shapes at 99-121 GFLOP/s
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,10 +41,44 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(x, weight, bias=None):
-    """x @ weight^T + bias, for a dense weight or one `pack`ed."""
+    """x @ weight^T + bias, for a dense weight, one `pack`ed, or a numpy (in, out) array (`blas_linear`)."""
+    if isinstance(weight, np.ndarray):
+        return blas_linear(x, weight, bias)
     if weight.layout == torch._mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def blas_linear(x, weight_t: np.ndarray, bias=None):
+    """x @ weight_t + bias on numpy's BLAS, for inference (no gradient): weight_t the (in, out)
+    numpy view of a weight stored transposed (layout.cpu_inference_layout), x a float32 CPU tensor.
+    Where a gradient would flow through x (a caller outside the engine's no-grad inference), the
+    same product on torch's F.linear, so autograd sees it."""
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return F.linear(x, torch.from_numpy(weight_t).t(), bias)
+    flat = x.reshape(-1, weight_t.shape[0]).numpy()
+    out = torch.from_numpy(flat @ weight_t)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight_t.shape[1])
+
+
+def blas_matmul(a, b):
+    """a @ b for float32 CPU tensors (batched as torch.matmul) on numpy's BLAS, for inference: a
+    decode step's attention products (attention.decode_attention) where small_gemm says so."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return torch.matmul(a, b)
+    return torch.from_numpy(np.matmul(a.numpy(), b.numpy()))
+
+
+class BlasLinear(nn.Linear):
+    """A small nn.Linear of inference multiplied on numpy's BLAS (layout.cpu_inference_layout, where
+    small_gemm.blas_is_faster): `weight_t` is the (in, out) numpy view of its transposed weight."""
+
+    def forward(self, x):
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return F.linear(x, self.weight, self.bias)  # a gradient for the weight (a caller outside inference)
+        return blas_linear(x, self.weight_t, self.bias)
 
 
 class PackedLinear(nn.Linear):
@@ -87,6 +124,7 @@ def head(hidden, weight, kernel: str = "linear"):
       the vocabulary across threads, where hidden @ weight^T runs a decode step's few rows on one
       thread (SmolLM2-135M, 8 rows, 2 threads: 27.0 -> 11.2 ms; one thread 28.5 -> 21.5). Packing
       the head would need a second copy of the embedding for its lookups;
+    - "blas" (inference, a small vocabulary): numpy's BLAS over the embedding stored transposed;
     - "frozen" (a tune): _FrozenLinear, the forward on oneDNN (Qwen2.5-0.5B's 151,936-token head at
       296 positions, 2 threads: 1047 -> 548 ms, no copy of the weight made)."""
     if kernel == "by_rows":
@@ -94,4 +132,6 @@ def head(hidden, weight, kernel: str = "linear"):
         return torch.mm(weight, flat.t()).t().contiguous().view(*hidden.shape[:-1], weight.shape[0])
     if kernel == "frozen" and not weight.requires_grad:
         return _FrozenLinear.apply(hidden, weight, None)
+    if kernel == "blas" and not (torch.is_grad_enabled() and weight.requires_grad):  # a small tied head on numpy's BLAS (inference), the embedding stored transposed
+        return blas_linear(hidden, weight.detach().t().numpy())
     return F.linear(hidden, weight)

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.base.heap import trim_heap
-from runtime.engines.torch.models.gemm import FrozenLinear, PackedLinear, gemm, onednn_linear, pack
+from runtime.engines.torch.models.gemm import BlasLinear, FrozenLinear, PackedLinear, gemm, onednn_linear, pack
+from runtime.engines.torch.models.small_gemm import blas_is_faster
 
 
 # A float32 CPU base's linear of at least this many weights runs on oneDNN with its weight packed
@@ -34,19 +35,30 @@ def cpu_inference_layout(model: nn.Module) -> None:
     that plain product faster at a decode step's few rows (2-core Intel Xeon, one thread: tiny's
     q/k/v at 8 rows 23.9 -> 13.2 us, gate/up 39.4 -> 20.9; on the AMD EPYC above, within 10%).
     A tied embedding so stored gathers strided columns for its lookups (8 tokens 4.8 -> 62 us),
-    which only a small vocabulary's head repays."""
+    which only a small vocabulary's head repays.
+
+    Where numpy's BLAS multiplies such small products faster than MKL (small_gemm.blas_is_faster,
+    measured per machine), the smaller linears, joined groups and head run on it, over the same
+    transposed memory (BlasLinear; joined_outputs; gemm.head's "blas")."""
     packs = onednn_linear()
+    blas = blas_is_faster()
+    joined_bases = set()
     with torch.no_grad():
         for module in list(model.modules()):
             for names in getattr(module, "joined", ()):
                 bases = [_base(getattr(module, n)) for n in names]
-                if packs and sum(b.weight.numel() for b in bases) >= PACK_MIN_WEIGHTS:
-                    bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
-                    weight = pack(torch.cat([b.weight for b in bases]))
-                    module.__dict__["joined_linears"] = (PACKED, (weight, bias, [b.weight.shape[0] for b in bases]))
-                    for b in bases:
-                        _free_dense(b)
-                    trim_heap()  # the dense copy's pages back before the next is packed beside it
+                joined_bases.update(map(id, bases))
+                small = not (packs and sum(b.weight.numel() for b in bases) >= PACK_MIN_WEIGHTS)
+                if small:
+                    if blas:  # _joined lays the joined weight out for numpy's BLAS
+                        module.__dict__["joined_kernel"] = BLAS
+                    continue
+                bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
+                weight = pack(torch.cat([b.weight for b in bases]))
+                module.__dict__["joined_linears"] = (PACKED, (weight, bias, [b.weight.shape[0] for b in bases]))
+                for b in bases:
+                    _free_dense(b)
+                trim_heap()  # the dense copy's pages back before the next is packed beside it
         for m in list(model.modules()):
             if type(m) is not nn.Linear or m.weight.is_meta:
                 continue
@@ -57,6 +69,9 @@ def cpu_inference_layout(model: nn.Module) -> None:
                 trim_heap()
             else:
                 m.weight = nn.Parameter(m.weight.t().contiguous().t(), requires_grad=m.weight.requires_grad)
+                if blas and id(m) not in joined_bases:  # a joined one runs through its group's weight
+                    m.weight_t = m.weight.detach().t().numpy()
+                    m.__class__ = BlasLinear
         tied = getattr(model, "lm_head", True) is None
         if tied:
             embed = model.model.embed_tokens
@@ -64,6 +79,8 @@ def cpu_inference_layout(model: nn.Module) -> None:
                 model.head_kernel = "by_rows"
             else:
                 embed.weight = nn.Parameter(embed.weight.t().contiguous().t(), requires_grad=embed.weight.requires_grad)
+                if blas:
+                    model.head_kernel = "blas"
 
 
 def cpu_training_layout(model: nn.Module) -> None:
@@ -81,6 +98,7 @@ def cpu_training_layout(model: nn.Module) -> None:
 
 
 PACKED = "packed"  # joined_linears' key for a packed joined weight (no dense weights to compare)
+BLAS = "blas"  # joined_kernel's value: the joined weight handed to gemm as its (in, out) numpy view
 
 
 def _free_dense(m: nn.Linear) -> None:
@@ -154,6 +172,8 @@ def _joined(module: nn.Module, bases: list):
     if bias is not None:
         for b, part in zip(bases, bias.split(sizes)):
             b.bias = nn.Parameter(part, requires_grad=b.bias.requires_grad)
+    if module.__dict__.get("joined_kernel") == BLAS and _transposed(weight):
+        weight = weight.t().numpy()  # the same memory, as gemm's numpy BLAS takes it
     module.__dict__["joined_linears"] = (tuple(b.weight.data_ptr() for b in bases), (weight, bias, sizes))
     return weight, bias, sizes
 
