@@ -381,6 +381,7 @@ def test_small_products_of_inference_on_numpys_blas(tmp_path, small_gemm, tied):
     for linear in (attn.o_proj, mlp.down_proj, *([] if tied else [moved.lm_head])):
         assert type(linear) is gemm.BlasLinear and linear.weight_t.ctypes.data == linear.weight.data_ptr()
     assert moved.head_kernel == ("blas" if tied else "linear")
+    assert all(layer.self_attn.decode_blas for layer in moved.model.layers) and not plain.model.layers[0].self_attn.decode_blas
     _same_logits(plain, moved, hf.config.vocab_size, tol=1e-5)
 
     spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "o_proj", "down_proj"))

@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engines.torch.models.gemm import blas_matmul
-from runtime.engines.torch.models.small_gemm import blas_is_faster
 from runtime.models.args import ModelArgs
 
 
@@ -146,7 +145,7 @@ class PackedStep:
             self._masks[key] = bias, pieces
         return self._masks[key]
 
-    def attend(self, layer: int, q, k, v, scale: float, window):
+    def attend(self, layer: int, q, k, v, scale: float, window, blas: bool = False):
         """Store this step's keys and values in the cache, then each part's attention; (1, heads, N, head_dim)."""
         store(self.cache, layer, k, v, self.index)  # k, v (1, kv_heads, N, head_dim)
         bias, masks = self._masks_for(window, q.dtype, k.shape[1])
@@ -155,7 +154,7 @@ class PackedStep:
             n = self.decoding
             keys = self.cache.k[layer, :, :, :self.span][self.slot_index]
             values = self.cache.v[layer, :, :, :self.span][self.slot_index]
-            out = decode_attention(q[0, :, :n].transpose(0, 1).unsqueeze(2), keys, values, bias, scale)  # (n, H, 1, hd)
+            out = decode_attention(q[0, :, :n].transpose(0, 1).unsqueeze(2), keys, values, bias, scale, blas)  # (n, H, 1, hd)
             outs.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))
         for (slot, start, n, at), mask in zip(self.parts, masks):
             keys = self.cache.k[layer, slot:slot + 1, :, :start + n]
@@ -165,7 +164,7 @@ class PackedStep:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-def decode_attention(q, k, v, bias, scale):
+def decode_attention(q, k, v, bias, scale, blas: bool = False):
     """Attention of one query per row, (B, heads, 1, head_dim), over (B, kv_heads, S, head_dim);
     `bias` (B * kv_heads, 1, S): 0 where a key is seen, -inf where not (`decode_bias`).
 
@@ -175,18 +174,26 @@ def decode_attention(q, k, v, bias, scale):
     view that bmm reads in place, where a 4-d matmul copied them (tiny, 8 rows: 60 -> 22 us per
     layer), and baddbmm scales and masks as it multiplies. On CUDA, SDPA with a boolean mask and
     grouped kv heads falls back to its math kernel, which copies the keys and values out to
-    every query head; grouping the queries instead reads them once. On a float32 CPU base where
-    numpy's BLAS runs such small products faster (small_gemm), the two products run there (tiny,
-    8 rows, one thread, AMD EPYC: the scores 22.3 -> 9.3 us a layer).
+    every query head; grouping the queries instead reads them once. `blas` (the layer's
+    decode_blas, set by layout.cpu_inference_layout where numpy's BLAS runs such small products
+    faster: small_gemm): the two products run there on a float32 CPU tensor outside autograd
+    (tiny, 8 rows, one thread, AMD EPYC: the scores 22.3 -> 9.3 us a layer).
     """
+    blas = blas and q.device.type == "cpu" and q.dtype == torch.float32 and not torch.is_grad_enabled()
+    return decode_products(q, k, v, bias, scale, blas)
+
+
+def decode_products(q, k, v, bias, scale, blas: bool):
+    """decode_attention's arithmetic, its two products on numpy's BLAS (`blas`) or on torch's bmm."""
     B, H, _, hd = q.shape
     kv_heads, S = k.shape[1], k.shape[2]
     q = q.reshape(B * kv_heads, H // kv_heads, hd)  # query heads grouped by the kv head they share
-    if q.device.type == "cpu" and q.dtype == torch.float32 and not torch.is_grad_enabled() and blas_is_faster():
-        scores = torch.add(bias, blas_matmul(q, k.reshape(B * kv_heads, S, hd).transpose(1, 2)), alpha=scale)
-        return blas_matmul(scores.softmax(-1), v.reshape(B * kv_heads, S, hd)).view(B, H, 1, hd)
-    scores = torch.baddbmm(bias, q, k.reshape(B * kv_heads, S, hd).transpose(1, 2), alpha=scale)  # (B*kv, group, S)
-    return torch.bmm(scores.softmax(-1), v.reshape(B * kv_heads, S, hd)).view(B, H, 1, hd)
+    keys, values = k.reshape(B * kv_heads, S, hd), v.reshape(B * kv_heads, S, hd)
+    if blas:
+        scores = torch.add(bias, blas_matmul(q, keys.transpose(1, 2)), alpha=scale)
+        return blas_matmul(scores.softmax(-1), values).view(B, H, 1, hd)
+    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*kv, group, S)
+    return torch.bmm(scores.softmax(-1), values).view(B, H, 1, hd)
 
 
 def decode_bias(offsets, S: int, window: int | None, kv_heads: int, dtype):

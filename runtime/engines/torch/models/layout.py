@@ -39,12 +39,15 @@ def cpu_inference_layout(model: nn.Module) -> None:
 
     Where numpy's BLAS multiplies such small products faster than MKL (small_gemm.blas_is_faster,
     measured per machine), the smaller linears, joined groups and head run on it, over the same
-    transposed memory (BlasLinear; joined_outputs; gemm.head's "blas")."""
+    transposed memory (BlasLinear; joined_outputs; gemm.head's "blas"), and so do the attention
+    layers' decode steps (decode_blas)."""
     packs = onednn_linear()
     blas = blas_is_faster()
     joined_bases = set()
     with torch.no_grad():
         for module in list(model.modules()):
+            if blas and hasattr(module, "decode_blas"):
+                module.decode_blas = True  # its decode steps' attention products (attention.decode_attention)
             for names in getattr(module, "joined", ()):
                 bases = [_base(getattr(module, n)) for n in names]
                 joined_bases.update(map(id, bases))

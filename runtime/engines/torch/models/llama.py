@@ -76,6 +76,7 @@ def apply_rope(x, cos, sin):
 
 class Attention(nn.Module):
     joined = (("q_proj", "k_proj", "v_proj"),)  # linears computed as one GEMM (joined_outputs)
+    decode_blas = False  # a decode step's attention products on numpy's BLAS (layout.cpu_inference_layout sets it)
 
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
@@ -105,7 +106,7 @@ class Attention(nn.Module):
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
         if q.shape[2] == 1 and cache is not None:
-            return decode_attention(q, k, v, mask, self.scale)  # mask: decode_bias's
+            return decode_attention(q, k, v, mask, self.scale, self.decode_blas)  # mask: decode_bias's
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, span=None):
@@ -113,7 +114,7 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if isinstance(cache, PackedStep):  # its parts' attention, each with its own mask
-            out = cache.attend(layer, q, k, v, self.scale, self.window)
+            out = cache.attend(layer, q, k, v, self.scale, self.window, self.decode_blas)
         else:
             out = self.attend(q, k, v, mask, cache, layer, slots, span)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, heads*head_dim)
