@@ -140,3 +140,40 @@ def test_status_tells_a_resume_on_another_thread_count_within_tolerance():
     assert same["promise"] == "bit-identical"
     other = resume_promise([{**p, "threads": 1, "first": 1, "last": 3}, {**p, "threads": 2, "first": 4, "last": 6}], "step")
     assert other["promise"] == "within tolerance" and other["why"].startswith("the CPU thread count changed"), other
+
+
+def test_a_narrow_model_runs_on_one_thread_unless_the_user_chose(home, tmp_path, monkeypatch):
+    """A model narrower than NARROW_WIDTH runs on one thread whatever is free (its ops are too small
+    to split); a wider one keeps the free CPUs' count; SPILLPACK_THREADS and OMP_NUM_THREADS still
+    win. End to end: a `run` of tiny (128 wide) with nothing named starts on one thread, saying why,
+    and its engine record in the state says the same count."""
+    import os
+
+    from runtime.base import threads
+
+    monkeypatch.setattr(threads, "_chosen", lambda allotted: threads.Threads(2, "2 CPUs allotted, all free"))
+    try:
+        threads.for_model(128)
+        t = threads.job_threads(2)
+        assert t.count == 1 and t.why == "a model 128 wide runs on one thread: its ops are too small to split (2 CPUs allotted, all free)"
+        threads.for_model(576)
+        assert threads.job_threads(2).count == 2
+        monkeypatch.setattr(threads, "_chosen", lambda allotted: threads.Threads(2, "SPILLPACK_THREADS"))
+        threads.for_model(128)
+        assert threads.job_threads(2).count == 2  # the user's choice
+    finally:
+        threads.keep([], 1, {})
+    monkeypatch.undo()
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs: on 1 the choice is 1 thread anyway")
+    rows = tmp_path / "in.jsonl"
+    rows.write_text(json.dumps({"custom_id": "a", "prompt": "hello"}) + "\n")
+    r = run_cli(["run", "tiny", str(rows), "--state", str(tmp_path / "s"), "--max-tokens", "2", "--engine", "torch-cpu"],
+                env={"OMP_NUM_THREADS": "", "SPILLPACK_THREADS": ""})
+    assert r.returncode == 0, r.stderr
+    start = next(e for e in events_of(r.stdout) if e["event"] == "start")
+    # one thread, for its width (or because another process held a CPU at start: the suite's other worker)
+    assert start["threads"] == 1 and (start["threads_why"].startswith("a model 128 wide runs on one thread")
+                                      or "idle at start" in start["threads_why"]), start
+    history = [json.loads(line) for f in sorted((tmp_path / "s" / "history").iterdir()) for line in f.read_text().splitlines()]
+    assert [h["threads"] for h in history if h.get("what") == "engine"] == [1]
