@@ -307,6 +307,21 @@ def _same_logits(plain, laid_out, vocab, tol=TOL):
         assert max_diff(nxt[1], nxt[0]) < tol
 
 
+def _random_lora(model_dir, *models):
+    """The same random rank-4 adapter on q/v/o/down applied to each of `models`."""
+    from runtime.engines.torch.engine import apply_lora
+    from runtime.models.lora import LoraSpec, target_linears
+
+    spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "o_proj", "down_proj"))
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, (fan_in, fan_out) in target_linears(model_dir.config, spec.targets).items():
+        tensors[f"{name}.lora_A.weight"] = torch.randn(4, fan_in, generator=g).numpy() * 0.1
+        tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, 4, generator=g).numpy() * 0.1
+    for model in models:
+        apply_lora(model, tensors, spec, "cpu")
+
+
 @pytest.fixture
 def small_gemm(monkeypatch):
     """Set SPILLPACK_SMALL_GEMM (which kernel a float32 CPU base's small products of inference run
@@ -362,9 +377,7 @@ def test_small_products_of_inference_on_numpys_blas(tmp_path, small_gemm, tied):
     a LoRA adapter wrapping BLAS linears."""
     import numpy as np
 
-    from runtime.engines.torch.engine import apply_lora
     from runtime.engines.torch.models import gemm, layout
-    from runtime.models.lora import LoraSpec, target_linears
 
     small_gemm("blas")
     path, hf = make_qwen2(tmp_path / "q", tied=tied)
@@ -384,14 +397,7 @@ def test_small_products_of_inference_on_numpys_blas(tmp_path, small_gemm, tied):
     assert all(layer.self_attn.decode_blas for layer in moved.model.layers) and not plain.model.layers[0].self_attn.decode_blas
     _same_logits(plain, moved, hf.config.vocab_size, tol=1e-5)
 
-    spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "o_proj", "down_proj"))
-    g = torch.Generator().manual_seed(1)
-    tensors = {}
-    for name, (fan_in, fan_out) in target_linears(model_dir.config, spec.targets).items():
-        tensors[f"{name}.lora_A.weight"] = torch.randn(4, fan_in, generator=g).numpy() * 0.1
-        tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, 4, generator=g).numpy() * 0.1
-    for model in (plain, moved):
-        apply_lora(model, tensors, spec, "cpu")
+    _random_lora(model_dir, plain, moved)
     _same_logits(plain, moved, hf.config.vocab_size, tol=1e-5)
 
 
@@ -426,9 +432,7 @@ def test_cpu_inference_layout_packs_large_weights_for_onednn(tmp_path, monkeypat
     the dense copies freed (the weights left on the meta device, shapes kept); a tied head
     multiplies by rows. Logits match the plain layout within float32 rounding, through the KV
     cache too, and with a LoRA adapter wrapping packed linears."""
-    from runtime.engines.torch.engine import apply_lora
     from runtime.engines.torch.models import gemm, layout
-    from runtime.models.lora import LoraSpec, target_linears
 
     if not gemm.onednn_linear():
         pytest.skip("this torch has no oneDNN weight packing (not an x86 build)")
@@ -444,14 +448,7 @@ def test_cpu_inference_layout_packs_large_weights_for_onednn(tmp_path, monkeypat
     assert packed.head_kernel == ("by_rows" if tied else "linear") and not packed.model.embed_tokens.weight.is_meta
     _same_logits(plain, packed, hf.config.vocab_size)
 
-    spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "o_proj", "down_proj"))
-    g = torch.Generator().manual_seed(1)
-    tensors = {}
-    for name, (fan_in, fan_out) in target_linears(model_dir.config, spec.targets).items():
-        tensors[f"{name}.lora_A.weight"] = torch.randn(4, fan_in, generator=g).numpy() * 0.1
-        tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, 4, generator=g).numpy() * 0.1
-    for model in (plain, packed):
-        apply_lora(model, tensors, spec, "cpu")
+    _random_lora(model_dir, plain, packed)
     _same_logits(plain, packed, hf.config.vocab_size)
 
 
