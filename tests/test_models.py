@@ -418,6 +418,11 @@ def test_small_gemm_choice_is_measured_once_and_kept(monkeypatch):
         assert small_gemm.blas_is_faster() is True and calls == [1]  # 3.0 >= 1.2 * 2.0
         small_gemm.blas_is_faster.cache_clear()
         assert small_gemm.blas_is_faster() is True and calls == [1]  # read back, not measured again
+        from runtime.engines.hardware import remember_rate
+
+        remember_rate("torch-cpu", {"mkl_s": "fast"}, "small gemm 2, 97 threads")  # a damaged entry: measured again
+        small_gemm.blas_is_faster.cache_clear()
+        assert small_gemm.blas_is_faster() is True and calls == [1, 1]
         monkeypatch.setenv("SPILLPACK_SMALL_GEMM", "mkl")
         small_gemm.blas_is_faster.cache_clear()
         assert small_gemm.blas_is_faster() is False

@@ -175,15 +175,17 @@ def remember_rate(name: str, rate: dict, dtype: str | None = None) -> None:
 
 def cached_measurement(name: str, what: str, measure_now) -> dict:
     """A measurement of engine `name` on this machine (`what` names it), remembered in the rates
-    cache: the cached one where there is one, else `measure_now()`'s, kept for later jobs. The
-    choices made from it (runtime/engines/torch/models/small_gemm.py) stay put between jobs."""
+    cache: the cached one where there is one with every figure `measure_now()` gives as a number,
+    else `measure_now()`'s, kept for later jobs. The choices made from it
+    (runtime/engines/torch/models/small_gemm.py) stay put between jobs; a damaged entry is measured
+    again, never a failed job."""
     import orjson
 
     try:
         cached = orjson.loads((spillpack_home() / RATES_FILE).read_bytes()).get(_rates_key(name, what))
     except (OSError, orjson.JSONDecodeError, AttributeError):
         cached = None
-    if isinstance(cached, dict) and cached:
+    if isinstance(cached, dict) and cached and all(isinstance(v, (int, float)) and v > 0 for v in cached.values()):
         return cached
     measured = measure_now()
     remember_rate(name, measured, what)
