@@ -31,10 +31,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runtime.base.threads import quiet_openmp  # noqa: E402
-
-quiet_openmp()  # what every spillpack entry point sets before torch loads (both sides run in this process)
+# What every spillpack entry point sets before torch loads (both sides run in this process), from
+# the spillpack on PYTHONPATH: benchmarks/compare.py points it at the revision measured, so this
+# script must not put its own tree first.
+try:
+    from runtime.base.threads import quiet_openmp
+except ImportError:  # a tree from before it (compare.py on an old revision): torch's defaults
+    quiet_openmp = None
+if quiet_openmp is not None:
+    quiet_openmp()
 
 import torch  # noqa: E402
 

@@ -430,6 +430,28 @@ def test_small_gemm_choice_is_measured_once_and_kept(monkeypatch):
         small_gemm.blas_is_faster.cache_clear()
 
 
+def test_a_mistyped_small_gemm_kernel_is_one_line_and_the_corrected_command_runs(home, tmp_path):
+    """SPILLPACK_SMALL_GEMM names blas or mkl; anything else stops the job with one line saying
+    so (not a measurement silently taken instead), and the same command with it corrected, on
+    the same state, generates the row."""
+    import json
+
+    from conftest import run_cli
+
+    rows = tmp_path / "in.jsonl"
+    rows.write_text(json.dumps({"custom_id": "a", "prompt": "hello"}) + "\n")
+    cmd = ["run", "tiny", str(rows), "--state", str(tmp_path / "s"), "--max-tokens", "2", "--engine", "torch-cpu",
+           "--dtype", "float32"]
+    r = run_cli(cmd, env={"SPILLPACK_SMALL_GEMM": "bls"})
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == ("spillpack: SPILLPACK_SMALL_GEMM='bls' is not blas or mkl. "
+                                                 "Try: SPILLPACK_SMALL_GEMM=blas, or unset it")
+    assert "Traceback" not in r.stderr
+    r = run_cli(cmd, env={"SPILLPACK_SMALL_GEMM": "blas"})
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(l)["custom_id"] for l in (tmp_path / "s" / "results.jsonl").read_text().splitlines()] == ["a"]
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_cpu_inference_layout_packs_large_weights_for_onednn(tmp_path, monkeypatch, tied):
     """Weights at or over the packing threshold (lowered here so the small fixture's are) run on

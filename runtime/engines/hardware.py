@@ -173,18 +173,23 @@ def remember_rate(name: str, rate: dict, dtype: str | None = None) -> None:
         pass  # an estimate's cache must never fail a job
 
 
-def cached_measurement(name: str, what: str, measure_now) -> dict:
-    """A measurement of engine `name` on this machine (`what` names it), remembered in the rates
-    cache: the cached one where there is one with every figure `measure_now()` gives as a number,
-    else `measure_now()`'s, kept for later jobs. The choices made from it
-    (runtime/engines/torch/models/small_gemm.py) stay put between jobs; a damaged entry is measured
-    again, never a failed job."""
+def _cached_rates() -> dict:
+    """The rates cache's entries by key ({} where it is missing or unreadable)."""
     import orjson
 
     try:
-        cached = orjson.loads((spillpack_home() / RATES_FILE).read_bytes()).get(_rates_key(name, what))
-    except (OSError, orjson.JSONDecodeError, AttributeError):
-        cached = None
+        rates = orjson.loads((spillpack_home() / RATES_FILE).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    return rates if isinstance(rates, dict) else {}
+
+
+def cached_measurement(name: str, what: str, measure_now) -> dict:
+    """A measurement of engine `name` on this machine (`what` names it), remembered in the rates
+    cache: the cached one where its every figure is a positive number, else `measure_now()`'s,
+    kept for later jobs. The choices made from it (runtime/engines/torch/models/small_gemm.py)
+    stay put between jobs; a damaged entry is measured again, never a failed job."""
+    cached = _cached_rates().get(_rates_key(name, what))
     if isinstance(cached, dict) and cached and all(isinstance(v, (int, float)) and v > 0 for v in cached.values()):
         return cached
     measured = measure_now()
@@ -196,17 +201,12 @@ def engine_rate(name: str, dtype: str | None = None) -> dict:
     """This engine's measured rate here (in `dtype`, the job's base dtype, where given):
     remembered from doctor or an earlier job, else measured now (a quarter of a second) and
     remembered."""
-    import orjson
-
-    try:
-        rates = orjson.loads((spillpack_home() / RATES_FILE).read_bytes())
-        cached = rates.get(_rates_key(name, dtype))
-        if not cached and dtype:  # doctor's measurement, when it was in this dtype
-            cached = rates.get(_rates_key(name))
-            cached = cached if cached and cached.get("matmul_dtype") == dtype else None
-    except (OSError, orjson.JSONDecodeError, AttributeError):
-        cached = None
-    if cached and cached.get("matmul_gflops"):
+    rates = _cached_rates()
+    cached = rates.get(_rates_key(name, dtype))
+    if not cached and dtype:  # doctor's measurement, when it was in this dtype
+        cached = rates.get(_rates_key(name))
+        cached = cached if isinstance(cached, dict) and cached.get("matmul_dtype") == dtype else None
+    if isinstance(cached, dict) and cached.get("matmul_gflops"):
         return cached
     return_freed_memory()
     rate = measure(name, seconds=0.25, dtype=dtype)

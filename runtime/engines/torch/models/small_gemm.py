@@ -2,8 +2,9 @@
 
 A small model's decode step is products of a few rows by weights of a few hundred columns
 (tiny at 8 rows: 8 x 128 by 128 x 704) and, in attention, of a few queries by the cached keys.
-MKL's sgemm spends a fixed cost per call that such products never amortize, and on an AMD CPU it
-runs them on slower code paths than on Intel's. Measured on a 2-core AMD EPYC (Zen 4, AVX-512),
+MKL's sgemm spends a fixed cost per call that such products never amortize, and at two threads
+under the passive wait policy each call also wakes a sleeping OpenMP thread. Measured on a 2-core
+AMD EPYC (Zen 4, AVX-512),
 one thread, per call: tiny's gate/up 8 x 128 by 128 x 704 MKL 28.6 us, numpy's OpenBLAS 14.3;
 q/k/v (to 256) 10.1 -> 6.0; down (352 -> 128) 13.1 -> 11.4; the head (to 1003) 39.4 -> 37.3; a
 decode step's scores at 8 rows (16 batches of 2 x 32 by 32 x 192) as bmm 22.3 us, as numpy's
@@ -13,9 +14,13 @@ for inference only; weights of PACK_MIN_WEIGHTS or more run on oneDNN whatever t
 Which is faster depends on the CPU and on MKL's dispatch there, so it is measured, once per
 machine, torch version and thread count, on those shapes, and kept in the rates cache
 (runtime.engines.hardware): a job's choice does not move with a noisy minute. numpy's BLAS
-must be faster by MARGIN to be chosen; `SPILLPACK_SMALL_GEMM=blas|mkl` chooses instead. Its own threads are held to one by the entry points
-(runtime.base.threads.BEFORE_TORCH: OPENBLAS_NUM_THREADS), so nothing of it spins beside
-torch's OpenMP threads; each of these products is too small to split anyway.
+must be faster by MARGIN to be chosen; `SPILLPACK_SMALL_GEMM=blas|mkl` chooses instead. Its own
+threads are held to one by the entry points (runtime.base.threads.BEFORE_TORCH:
+OPENBLAS_NUM_THREADS), so nothing of it spins beside torch's OpenMP threads; each of these
+products is too small to split anyway.
+
+End to end (tiny, `run` of 128 rows at 8 slots, both layouts in one process, alternating): at two
+threads 1.71x faster at equal lengths and 1.54x mixed; at one thread no measurable difference.
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import torch
 import torch.nn.functional as F
 
 # numpy's BLAS is chosen where MKL takes this much longer over the shapes below (this 2-core AMD
-# EPYC measured 1.2-1.35x there, and a tiny `run` of 128 rows took 15% less time end to end)
+# EPYC measured 1.15-1.35x at one thread and 4.5x at two)
 MARGIN = 1.1
+KERNELS = ("blas", "mkl")
 
 
 def _best(fn, repeats: int = 60) -> float:
@@ -75,14 +81,22 @@ def measure() -> dict:
 
 def _choice() -> tuple[str | None, dict | None]:
     """(the kernel SPILLPACK_SMALL_GEMM names, else None; the measurement, else None)."""
+    from runtime.base.errors import SpillpackError
     from runtime.engines.hardware import cached_measurement
 
     chosen = os.environ.get("SPILLPACK_SMALL_GEMM", "").strip().lower()
-    if chosen in ("blas", "mkl"):
+    if chosen:
+        if chosen not in KERNELS:
+            raise SpillpackError(f"SPILLPACK_SMALL_GEMM={os.environ['SPILLPACK_SMALL_GEMM']!r} is not blas or mkl",
+                                 "SPILLPACK_SMALL_GEMM=blas, or unset it")
         return chosen, None
     # "2": measured on decode_attention's products over a cache slice (a cached figure of
     # the first measurement, on plain bmm shapes, is measured again)
     return None, cached_measurement("torch-cpu", f"small gemm 2, {torch.get_num_threads()} threads", measure)
+
+
+def _kernel(forced: str | None, rates: dict | None) -> str:
+    return forced or ("blas" if rates["mkl_s"] >= MARGIN * rates["blas_s"] else "mkl")
 
 
 def describe() -> str:
@@ -90,8 +104,7 @@ def describe() -> str:
     forced, m = _choice()
     if forced:
         return f"{forced} (SPILLPACK_SMALL_GEMM)"
-    kernel = "blas" if blas_is_faster() else "mkl"
-    return (f"{kernel}: a decode step's small products took MKL {m['mkl_s'] * 1e6:.0f} us, numpy's BLAS "
+    return (f"{_kernel(None, m)}: a decode step's small products took MKL {m['mkl_s'] * 1e6:.0f} us, numpy's BLAS "
             f"{m['blas_s'] * 1e6:.0f} us (numpy's BLAS where MKL takes {MARGIN}x as long)")
 
 
@@ -99,8 +112,5 @@ def describe() -> str:
 def blas_is_faster() -> bool:
     """Whether this machine's inference runs its small float32 products on numpy's BLAS: measured
     here once (at torch's current thread count) and remembered in the rates cache, unless
-    SPILLPACK_SMALL_GEMM says "blas" or "mkl"."""
-    forced, rates = _choice()
-    if forced:
-        return forced == "blas"
-    return rates["mkl_s"] >= MARGIN * rates["blas_s"]
+    SPILLPACK_SMALL_GEMM says "blas" or "mkl" (any other value is refused)."""
+    return _kernel(*_choice()) == "blas"
