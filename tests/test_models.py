@@ -468,7 +468,7 @@ def test_cpu_inference_layout_packs_large_weights_for_onednn(tmp_path, monkeypat
     model_dir = resolve_model(str(path))
     plain, packed = load_model(model_dir), load_model(model_dir, cpu_inference=True)
     attn, mlp = packed.model.layers[0].self_attn, packed.model.layers[0].mlp
-    assert attn.__dict__["joined_linears"][0] == layout.PACKED and mlp.__dict__["joined_linears"][0] == layout.PACKED
+    assert attn.__dict__["joined_linears"][0] == layout.LAID_OUT and mlp.__dict__["joined_linears"][0] == layout.LAID_OUT
     assert attn.q_proj.weight.is_meta and attn.q_proj.weight.shape == plain.model.layers[0].self_attn.q_proj.weight.shape
     for linear in (attn.o_proj, mlp.down_proj, *([] if tied else [packed.lm_head])):
         assert type(linear) is gemm.PackedLinear and linear.packed.layout == torch._mkldnn and linear.weight.is_meta

@@ -104,6 +104,28 @@ def test_a_packed_piece_resumes_from_the_prefix_entry(model):
     assert ours.prefix_ids == running[0]  # the entry still holds the longer prompt's start
 
 
+@pytest.mark.parametrize("cpu_inference", [False, True])
+@pytest.mark.parametrize("old", [[3, 0, 2], [4]])
+def test_decoding_rows_in_any_slot_order_read_in_place_or_gathered(model_dir, cpu_inference, old):
+    """Rows decoding in a packed step out of slot order: with most slots decoding (3 of 5) their
+    attention reads every slot's keys where they lie, with few (1 of 5) a gathered copy; both held
+    to the oracle, on the plain layout and on the inference layout's (numpy's BLAS, packed)."""
+    from runtime.engines.torch.models.attention import PackedStep
+
+    model = load_model(model_dir, cpu_inference=cpu_inference)
+    rng = np.random.default_rng(3)
+    ours, oracle = TorchDecoder(model, 5, 64), TorchDecoder(model, 5, 64, **OFF)
+    running, starting = [ids(rng, 9 + 7 * i) for i in range(len(old))], [ids(rng, 11)]
+    for dec in (ours, oracle):
+        dec.prefill(old, running)
+    assert PackedStep(ours.cache, old, [1] * len(old), [], [], [], 2).in_place == (len(old) == 3)
+    last = [21 + s for s in old]
+    decoded, started = ours.decode_and_prefill(old, last, [1], starting)
+    np.testing.assert_allclose(decoded, oracle.decode(old, last), atol=TOL)
+    np.testing.assert_allclose(started, oracle.prefill([1], starting), atol=TOL)
+    same_steps(ours, oracle, old + [1])
+
+
 def test_a_slot_reused_by_a_packed_step(model):
     """A released slot's old keys (a longer prompt) stay masked out when a packed piece takes it."""
     rng = np.random.default_rng(2)
@@ -170,6 +192,7 @@ def test_flat_index_writes_where_the_advanced_index_assignment_did():
         k = torch.zeros(2, 5, 3, 12, 4)  # layers, slots, kv heads, max_len, head_dim
         v = torch.zeros(2, 5, 3, 12, 4)
 
+    Cache.flat = [(Cache.k[i].view(-1, 4), Cache.v[i].view(-1, 4)) for i in range(2)]  # as KVCache lays them
     rows, positions = torch.tensor([4, 1]), torch.tensor([[2, 3, 4], [7, 8, 9]])
     k, v = torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 4)  # (B, kv_heads, T, head_dim)
     store(Cache, 1, k, v, flat_index(rows, positions, 3, 12))

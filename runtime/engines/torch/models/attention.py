@@ -6,10 +6,10 @@ from __future__ import annotations
 import mmap
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.engines.torch.models.gemm import blas_matmul
 from runtime.models.args import ModelArgs
 
 
@@ -42,6 +42,9 @@ class KVCache:
         shape = (args.num_hidden_layers, batch, args.num_key_value_heads, max_len, args.head_dim)
         self.k = zeros(shape, dtype, device)
         self.v = zeros(shape, dtype, device)
+        # Each layer's keys and values as (slots * kv_heads * max_len, head_dim) views, for store's
+        # index_copy_: made once, not per layer per forward.
+        self.flat = [(self.k[i].view(-1, args.head_dim), self.v[i].view(-1, args.head_dim)) for i in range(shape[0])]
         self._written = None  # (positions, flat indices) of the last write: see _flat_index
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_len = max_len
@@ -60,7 +63,7 @@ class KVCache:
         if slots == list(range(self.k.shape[1])):
             return self
         view = KVCache.__new__(KVCache)
-        view.k, view.v, view.max_len = self.k, self.v, self.max_len
+        view.k, view.v, view.flat, view.max_len = self.k, self.v, self.flat, self.max_len
         view.index = torch.tensor(slots, device=self.k.device)
         view.lengths = self.lengths[view.index]
         view.next_span = None
@@ -98,8 +101,9 @@ def store(cache: KVCache, layer: int, k, v, index: torch.Tensor) -> None:
     index_copy_ per tensor: the advanced-index assignment it replaces cost about 25 us a call on
     tiny's decode step (broadcast indices built and checked every layer), most of the write."""
     hd = k.shape[-1]
-    cache.k[layer].view(-1, hd).index_copy_(0, index, k.reshape(-1, hd))
-    cache.v[layer].view(-1, hd).index_copy_(0, index, v.reshape(-1, hd))
+    keys, values = cache.flat[layer]
+    keys.index_copy_(0, index, k.reshape(-1, hd))
+    values.index_copy_(0, index, v.reshape(-1, hd))
 
 
 class PackedStep:
@@ -129,6 +133,13 @@ class PackedStep:
         self.index = flat_index(self.rows[None], self.positions, cache.k.shape[2], cache.max_len)
         self.slot_index = torch.tensor(slots, device=device)
         self.lengths = torch.tensor(lengths, device=device)
+        # With most slots decoding, their attention runs over every slot's keys where they lie (the
+        # other slots' queries zero, their outputs dropped) rather than over a gathered copy: the
+        # copy was a layer's whole key span for each row (tiny, 7 of 8 slots, 160-token spans:
+        # the gather about 5% of the step), the idle slots' products are a few rows more.
+        self.in_place = 2 * self.decoding >= cache.k.shape[1]
+        if self.in_place:  # each slot's cached tokens, the decoding rows' at their slots (decode_bias)
+            self.lengths = torch.zeros(cache.k.shape[1], dtype=torch.long, device=device).index_copy_(0, self.slot_index, self.lengths)
         self._masks = {}
 
     def _masks_for(self, window, dtype, kv_heads):
@@ -152,9 +163,13 @@ class PackedStep:
         outs = []
         if self.decoding:
             n = self.decoding
-            keys = self.cache.k[layer, :, :, :self.span][self.slot_index]
-            values = self.cache.v[layer, :, :, :self.span][self.slot_index]
-            out = decode_attention(q[0, :, :n].transpose(0, 1).unsqueeze(2), keys, values, bias, scale, blas)  # (n, H, 1, hd)
+            queries = q[0, :, :n].transpose(0, 1).unsqueeze(2)  # (n, H, 1, hd)
+            keys, values = self.cache.k[layer, :, :, :self.span], self.cache.v[layer, :, :, :self.span]
+            if self.in_place:
+                every = queries.new_zeros((keys.shape[0], *queries.shape[1:])).index_copy_(0, self.slot_index, queries)
+                out = decode_attention(every, keys, values, bias, scale, blas).index_select(0, self.slot_index)
+            else:
+                out = decode_attention(queries, keys[self.slot_index], values[self.slot_index], bias, scale, blas)
             outs.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))
         for (slot, start, n, at), mask in zip(self.parts, masks):
             keys = self.cache.k[layer, slot:slot + 1, :, :start + n]
@@ -187,11 +202,12 @@ def decode_products(q, k, v, bias, scale, blas: bool):
     """decode_attention's arithmetic, its two products on numpy's BLAS (`blas`) or on torch's bmm."""
     B, H, _, hd = q.shape
     kv_heads, S = k.shape[1], k.shape[2]
+    if blas:  # the reshapes and transposes in numpy too, where they cost a tenth of torch's
+        qn, kn, vn = (t.numpy().reshape(B * kv_heads, -1, hd) for t in (q, k, v))
+        scores = torch.add(bias, torch.from_numpy(np.matmul(qn, kn.transpose(0, 2, 1))), alpha=scale)
+        return torch.from_numpy(np.matmul(scores.softmax(-1).numpy(), vn).reshape(B, H, 1, hd))
     q = q.reshape(B * kv_heads, H // kv_heads, hd)  # query heads grouped by the kv head they share
     keys, values = k.reshape(B * kv_heads, S, hd), v.reshape(B * kv_heads, S, hd)
-    if blas:
-        scores = torch.add(bias, blas_matmul(q, keys.transpose(1, 2)), alpha=scale)
-        return blas_matmul(scores.softmax(-1), values).view(B, H, 1, hd)
     scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*kv, group, S)
     return torch.bmm(scores.softmax(-1), values).view(B, H, 1, hd)
 

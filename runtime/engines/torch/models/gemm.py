@@ -2,7 +2,7 @@
 oneDNN's, with a weight packed once for inference (PackedLinear) or read dense for a tune's frozen
 base (FrozenLinear), a tied head's product taken by rows (`head`), and numpy's BLAS (OpenBLAS in
 numpy's wheels) for the small products of inference where it is measured faster (BlasLinear,
-`blas_matmul`, runtime/engines/torch/models/small_gemm.py).
+a decode step's attention products in attention.decode_products; runtime/engines/torch/models/small_gemm.py).
 
 On a 2-core AMD EPYC (AVX2), MKL runs a few rows on one thread and at 35-45 GFLOP/s where oneDNN
 reaches 60-100 at two threads (decode shapes), and a tune's forward shapes at 99-121 GFLOP/s
@@ -56,19 +56,11 @@ def blas_linear(x, weight_t: np.ndarray, bias=None):
     same product on torch's F.linear, so autograd sees it."""
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return F.linear(x, torch.from_numpy(weight_t).t(), bias)
-    flat = x.reshape(-1, weight_t.shape[0]).numpy()
-    out = torch.from_numpy(flat @ weight_t)
+    a = x.numpy()  # the shapes handled in numpy: a reshape there costs a tenth of torch's
+    out = torch.from_numpy((a.reshape(-1, a.shape[-1]) @ weight_t).reshape(*a.shape[:-1], weight_t.shape[1]))
     if bias is not None:
         out += bias
-    return out.view(*x.shape[:-1], weight_t.shape[1])
-
-
-def blas_matmul(a, b):
-    """a @ b for float32 CPU tensors (batched as torch.matmul) on numpy's BLAS, for inference: a
-    decode step's attention products (attention.decode_attention) where small_gemm says so."""
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return torch.matmul(a, b)
-    return torch.from_numpy(np.matmul(a.numpy(), b.numpy()))
+    return out
 
 
 class BlasLinear(nn.Linear):

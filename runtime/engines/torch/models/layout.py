@@ -58,7 +58,7 @@ def cpu_inference_layout(model: nn.Module) -> None:
                     continue
                 bias = None if bases[0].bias is None else torch.cat([b.bias for b in bases])
                 weight = pack(torch.cat([b.weight for b in bases]))
-                module.__dict__["joined_linears"] = (PACKED, (weight, bias, [b.weight.shape[0] for b in bases]))
+                module.__dict__["joined_linears"] = (LAID_OUT, (weight, bias, [b.weight.shape[0] for b in bases]))
                 for b in bases:
                     _free_dense(b)
                 trim_heap()  # the dense copy's pages back before the next is packed beside it
@@ -100,7 +100,9 @@ def cpu_training_layout(model: nn.Module) -> None:
         model.head_kernel = "frozen"
 
 
-PACKED = "packed"  # joined_linears' key for a packed joined weight (no dense weights to compare)
+# joined_linears' key for a joined weight laid out for inference (packed, or a numpy view for BLAS):
+# no dense weights' addresses to compare at each call.
+LAID_OUT = "laid out"
 BLAS = "blas"  # joined_kernel's value: the joined weight handed to gemm as its (in, out) numpy view
 
 
@@ -115,13 +117,14 @@ def _base(m: nn.Module) -> nn.Module:
 
 
 def linear(module: nn.Module, x):
-    """module(x), for a plain nn.Linear through F.linear without nn.Module's call machinery: a
-    small model's decode step is its calls (tiny, 128 rows, one thread, in-process A/B over 10
-    rounds with o_proj and down_proj so: 1.12x median, 8 rounds of 10 faster). Anything else
-    (a LoRA wrapper) is called as a module. No module of the engine's models carries hooks."""
+    """module(x) without nn.Module's call machinery: a small model's decode step is its calls
+    (tiny, 128 rows, one thread, in-process A/B over 10 rounds with o_proj and down_proj through
+    F.linear: 1.12x median, 8 rounds of 10 faster). A plain nn.Linear runs as F.linear, anything
+    else (a BlasLinear, a PackedLinear, a LoRA wrapper) by its forward. No module of the engine's
+    models carries hooks."""
     if type(module) is nn.Linear:
         return F.linear(x, module.weight, module.bias)
-    return module(x)  # a PackedLinear or a LoRA wrapper
+    return module.forward(x)
 
 
 def _transposed(w: torch.Tensor) -> bool:
@@ -139,14 +142,16 @@ def joined_outputs(module: nn.Module, names: tuple[str, ...], x) -> list:
     Only where no gradient flows back through x (generation, evaluation): in a tune the joined
     output's split and the gradients joined again in backward cost more than the one GEMM saves
     (Qwen2.5-0.5B shape, float32, 2-core AMD EPYC: 83.2 tokens/s joined, 87.8 separate)."""
-    linears = [getattr(module, n) for n in names]
-    bases = [getattr(m, "base", m) for m in linears]
+    linears = [module._modules[n] for n in names]
+    bases = [m._modules.get("base", m) for m in linears]  # a LoRA wrapper's frozen linear is its `base`
     joined = None if torch.is_grad_enabled() and x.requires_grad else _joined(module, bases)
     if joined is None:
         outs = [b(x) for b in bases]
     else:
         weight, bias, sizes = joined
-        outs = list(gemm(x, weight, bias).split(sizes, dim=-1))
+        outs = gemm(x, weight, bias).split_with_sizes(sizes, -1)
+    if linears == bases:  # no LoRA wrapper among them (list equality: identity first)
+        return outs
     return [y if m is b else m.add_update(y, x) for y, m, b in zip(outs, linears, bases)]
 
 
@@ -155,7 +160,7 @@ def _joined(module: nn.Module, bases: list):
     moved (model.to(), a reload); None where a weight is being trained, whose gradient must
     reach its own parameter (the engine's base is frozen: this is for other callers)."""
     cached = module.__dict__.get("joined_linears")
-    if cached is not None and cached[0] == PACKED:
+    if cached is not None and cached[0] is LAID_OUT:
         return cached[1]
     weights = [b.weight for b in bases]
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
@@ -175,9 +180,12 @@ def _joined(module: nn.Module, bases: list):
     if bias is not None:
         for b, part in zip(bases, bias.split(sizes)):
             b.bias = nn.Parameter(part, requires_grad=b.bias.requires_grad)
+    key = tuple(b.weight.data_ptr() for b in bases)
     if module.__dict__.get("joined_kernel") == BLAS and _transposed(weight):
-        weight = weight.t().numpy()  # the same memory, as gemm's numpy BLAS takes it
-    module.__dict__["joined_linears"] = (tuple(b.weight.data_ptr() for b in bases), (weight, bias, sizes))
+        # The same memory, as gemm's numpy BLAS takes it: laid out for inference once, as a packed
+        # weight is, and not checked again at every call (the numpy view holds its memory).
+        weight, key = weight.t().numpy(), LAID_OUT
+    module.__dict__["joined_linears"] = (key, (weight, bias, sizes))
     return weight, bias, sizes
 
 

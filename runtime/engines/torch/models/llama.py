@@ -147,8 +147,11 @@ class TransformerBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, span=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots, span)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Each part by its forward, not nn.Module's call machinery (no module of the engine's models
+        # carries hooks): tiny's decode step, 8 rows, one thread, in-process A/B, 1.03-1.06x.
+        m = self._modules
+        x = x + m["self_attn"].forward(m["input_layernorm"].forward(x), cos, sin, mask, cache, layer, slots, span)
+        return x + m["mlp"].forward(m["post_attention_layernorm"].forward(x))
 
 
 class Embedding(nn.Embedding):
@@ -228,7 +231,7 @@ class LlamaModel(nn.Module):
             if self.grad_checkpoint and cache is None and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, masks[layer.self_attn.window], use_reentrant=False)
             else:
-                x = layer(x, cos, sin, masks[layer.self_attn.window], cache, i, slots, span)
+                x = layer.forward(x, cos, sin, masks[layer.self_attn.window], cache, i, slots, span)
         if cache is not None:
             cache.lengths += T
         return self.norm(x)
@@ -240,7 +243,7 @@ class LlamaModel(nn.Module):
         x = x.float()  # the residual stream, as in forward
         for i, layer in enumerate(self.layers):
             cos, sin = rotations[layer.self_attn.layer_type]
-            x = layer(x, cos, sin, None, step, i)
+            x = layer.forward(x, cos, sin, None, step, i)
         return self.norm(x)
 
 
