@@ -126,6 +126,30 @@ def test_decoding_rows_in_any_slot_order_read_in_place_or_gathered(model_dir, cp
     same_steps(ours, oracle, old + [1])
 
 
+@pytest.mark.parametrize("cpu_inference", [False, True])
+@pytest.mark.parametrize("rows", [[3, 0, 2], [4]])
+def test_a_decode_step_over_some_slots_matches_the_whole_sequence(model_dir, cpu_inference, rows):
+    """A plain decode step over some slots, out of order: with most of them (3 of 5) it reads every
+    slot's keys in place (KVCache.reads_in_place), with one a gathered copy. Each row's logits
+    are the model's over its whole sequence without a cache, at its last position."""
+    import torch
+
+    model = load_model(model_dir, cpu_inference=cpu_inference)
+    rng = np.random.default_rng(4)
+    dec = TorchDecoder(model, 5, 64, prefix_cache=False)
+    prompts = [ids(rng, 6 + 9 * i) for i in range(5)]
+    dec.prefill(list(range(5)), prompts)
+    assert dec.cache.view(rows).reads_in_place() == (len(rows) == 3)
+    for step in range(2):
+        last = [30 + 3 * step + r for r in rows]
+        got = np.asarray(dec.decode(rows, last))
+        for r, t in zip(rows, last):
+            prompts[r] = prompts[r] + [t]
+        with torch.inference_mode():
+            want = [model(torch.tensor([prompts[r]]))[0, -1].numpy() for r in rows]
+        np.testing.assert_allclose(got, np.stack(want), atol=TOL)
+
+
 def test_a_slot_reused_by_a_packed_step(model):
     """A released slot's old keys (a longer prompt) stay masked out when a packed piece takes it."""
     rng = np.random.default_rng(2)

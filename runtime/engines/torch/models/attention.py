@@ -70,6 +70,27 @@ class KVCache:
         view._written = None
         return view
 
+    def reads_in_place(self) -> bool:
+        """Whether a decode step over this view's rows attends every slot's keys where they lie
+        (`rows_attention`) rather than a gathered copy of its rows' keys."""
+        return self.index is not None and 2 * len(self.index) >= self.k.shape[1]
+
+    def decode_bias(self, S: int, window: int | None, dtype):
+        """decode_bias for a decode step over this cache's rows: over every slot where the step
+        reads the keys in place (the other slots' entries any finite bias: their outputs are dropped)."""
+        offsets = self.lengths
+        if self.reads_in_place():
+            offsets = torch.zeros(self.k.shape[1], dtype=offsets.dtype, device=offsets.device).index_copy_(0, self.index, offsets)
+        return decode_bias(offsets, S, window, self.k.shape[2], dtype)
+
+    def decode(self, layer: int, q, k, v, slots: torch.Tensor, span: int, bias, scale: float, blas: bool):
+        """A decode step's attention (q, k, v (B, heads, 1, head_dim)): the new keys stored, then each
+        row's query over its slot's keys up to `span`; bias: this cache's decode_bias."""
+        rows = self.all_rows if self.index is None else self.index
+        store(self, layer, k, v, self._flat_index(rows, slots))
+        keys, values = self.k[layer, :, :, :span], self.v[layer, :, :, :span]
+        return rows_attention(q, keys, values, self.index, self.reads_in_place(), bias, scale, blas)
+
     def write(self, layer: int, k, v, slots: torch.Tensor, span: int):
         """Store k, v (B, kv_heads, T, head_dim) at `slots` (B, T); return keys/values up to `span`."""
         rows = self.all_rows if self.index is None else self.index
@@ -133,11 +154,8 @@ class PackedStep:
         self.index = flat_index(self.rows[None], self.positions, cache.k.shape[2], cache.max_len)
         self.slot_index = torch.tensor(slots, device=device)
         self.lengths = torch.tensor(lengths, device=device)
-        # With most slots decoding, their attention runs over every slot's keys where they lie (the
-        # other slots' queries zero, their outputs dropped) rather than over a gathered copy: the
-        # copy was a layer's whole key span for each row (tiny, 7 of 8 slots, 160-token spans:
-        # the gather about 5% of the step), the idle slots' products are a few rows more.
-        self.in_place = 2 * self.decoding >= cache.k.shape[1]
+        # With most slots decoding, their attention reads the keys in place (rows_attention).
+        self.in_place = 2 * self.decoding >= cache.k.shape[1]  # as KVCache.reads_in_place
         if self.in_place:  # each slot's cached tokens, the decoding rows' at their slots (decode_bias)
             self.lengths = torch.zeros(cache.k.shape[1], dtype=torch.long, device=device).index_copy_(0, self.slot_index, self.lengths)
         self._masks = {}
@@ -165,11 +183,7 @@ class PackedStep:
             n = self.decoding
             queries = q[0, :, :n].transpose(0, 1).unsqueeze(2)  # (n, H, 1, hd)
             keys, values = self.cache.k[layer, :, :, :self.span], self.cache.v[layer, :, :, :self.span]
-            if self.in_place:
-                every = queries.new_zeros((keys.shape[0], *queries.shape[1:])).index_copy_(0, self.slot_index, queries)
-                out = decode_attention(every, keys, values, bias, scale, blas).index_select(0, self.slot_index)
-            else:
-                out = decode_attention(queries, keys[self.slot_index], values[self.slot_index], bias, scale, blas)
+            out = rows_attention(queries, keys, values, self.slot_index, self.in_place, bias, scale, blas)
             outs.append(out.squeeze(2).transpose(0, 1).unsqueeze(0))
         for (slot, start, n, at), mask in zip(self.parts, masks):
             keys = self.cache.k[layer, slot:slot + 1, :, :start + n]
@@ -177,6 +191,22 @@ class PackedStep:
             outs.append(F.scaled_dot_product_attention(q[:, :, at:at + n], keys, values, attn_mask=mask,
                                                        is_causal=mask is None, enable_gqa=True, scale=scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def rows_attention(q, keys, values, rows, in_place: bool, bias, scale, blas: bool):
+    """decode_attention of q (n, heads, 1, head_dim), row i's query over slot rows[i]'s keys of
+    `keys` and `values` (slots, kv_heads, S, head_dim), a layer's cache; rows None: every slot, in
+    order. `in_place`: every slot's keys read where they lie, the other slots' queries zero and
+    their outputs dropped (bias over every slot); else the rows' keys gathered first (bias over
+    the rows). The gather copies a layer's whole key span for each row (tiny, 7 of 8 slots
+    decoding beside a new prompt: about 5% of the step); reading in place costs the idle slots'
+    products, a few rows more while most slots decode."""
+    if rows is None:
+        return decode_attention(q, keys, values, bias, scale, blas)
+    if in_place:
+        every = q.new_zeros((keys.shape[0], *q.shape[1:])).index_copy_(0, rows, q)
+        return decode_attention(every, keys, values, bias, scale, blas).index_select(0, rows)
+    return decode_attention(q, keys[rows], values[rows], bias, scale, blas)
 
 
 def decode_attention(q, k, v, bias, scale, blas: bool = False):

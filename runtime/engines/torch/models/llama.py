@@ -13,7 +13,7 @@ from torch import nn
 
 from torch.utils.checkpoint import checkpoint
 
-from runtime.engines.torch.models.attention import KVCache, PackedStep, build_mask, decode_attention, decode_bias
+from runtime.engines.torch.models.attention import KVCache, PackedStep, build_mask
 from runtime.engines.torch.models.gemm import head
 from runtime.engines.torch.models.layout import joined_outputs, linear
 from runtime.models.args import ModelArgs, rope
@@ -101,12 +101,12 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask, cache, layer, slots, span):
         """(B, heads, T, head_dim) attention output, the new keys stored in the cache first."""
+        if cache is not None and mask is not None and q.shape[2] == 1:  # a decode step; mask: cache.decode_bias's
+            return cache.decode(layer, q, k, v, slots, span, mask, self.scale, self.decode_blas)
         if cache is not None:
             k, v = cache.write(layer, k, v, slots, span)  # (B, kv_heads, S, head_dim)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=self.scale)
-        if q.shape[2] == 1 and cache is not None:
-            return decode_attention(q, k, v, mask, self.scale, self.decode_blas)  # mask: decode_bias's
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=self.scale)
 
     def forward(self, x, cos, sin, mask, cache=None, layer=0, slots=None, span=None):
@@ -206,7 +206,6 @@ class LlamaModel(nn.Module):
         masks = {}
         decode = T == 1 and cache is not None  # a decode step: decode_attention's additive bias
         assert not (decode and attn_mask is not None), "a decode step takes no padding mask (the cache's lengths hide what is not there)"
-        kv_heads = self.layers[0].self_attn.n_kv_heads
         for layer in self.layers:
             w = layer.self_attn.window
             if w not in masks:
@@ -214,7 +213,7 @@ class LlamaModel(nn.Module):
                 if plain:
                     masks[w] = None
                 elif decode:
-                    masks[w] = decode_bias(offsets, S, w, kv_heads, self.embed_tokens.weight.dtype)
+                    masks[w] = cache.decode_bias(S, w, self.embed_tokens.weight.dtype)
                 else:
                     masks[w] = build_mask(T, S, offsets, attn_mask, device, w)
         x = self.embed(input_ids)  # (B, T, D), in the weights' dtype
