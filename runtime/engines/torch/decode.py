@@ -63,13 +63,16 @@ class TorchDecoder(PrefixPrefill):
     any prefill), and `pack=False` starting rows inside a decode step, for the oracles that check them."""
 
     def __init__(self, model, slots: int, max_len: int, every_slot: bool | None = None, prefix_cache: bool = True,
-                 chunk_tokens: int = PREFILL_CHUNK_TOKENS, pack: bool = True):
+                 chunk_tokens: int = PREFILL_CHUNK_TOKENS, pack: bool = True, numpy_step: bool = True):
         super().__init__(max_len, prefix_cache, chunk_tokens)
         self.model = model
         self.slots = slots
         self.cache = model.make_cache(slots, max_len)
         self.device = self.cache.k.device
         self.every_slot = self.device.type == "cuda" if every_slot is None else every_slot
+        # A float32 CPU base's plain Llama-family stack decodes on numpy (numpy_step.py), where
+        # a small model's step is op calls more than arithmetic.
+        self.numpy_step = model.numpy_step(self.cache.k, self.cache.v) if numpy_step and not self.every_slot else None
         self.pack = pack
         self.host_lengths = np.zeros(slots, dtype=np.int64)  # each slot's cached tokens, as the device has them
         # The prefix cache's entry: its keys and values, (layers, kv_heads, max_len, head_dim) each,
@@ -115,6 +118,11 @@ class TorchDecoder(PrefixPrefill):
         """One token for each of `slots` (its last token given); (n, V) logits."""
         if self.every_slot:
             return self._decode_every_slot(slots, last)
+        if self.numpy_step is not None:
+            logits = self.numpy_step.decode(slots, last, self.host_lengths[slots])
+            self.host_lengths[slots] += 1
+            self.cache.lengths.numpy()[slots] = self.host_lengths[slots]  # the cache's own memory
+            return self._host(logits)
         n = len(slots)
         rows = self._padded(slots)
         view = self.cache.view(rows)

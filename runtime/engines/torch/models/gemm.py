@@ -63,6 +63,17 @@ def blas_linear(x, weight_t: np.ndarray, bias=None):
     return out
 
 
+def product(x: np.ndarray, weight, bias=None) -> np.ndarray:
+    """`gemm` for a float32 numpy (rows, in) array outside autograd (numpy_step.NumpyStep): on
+    numpy's BLAS for a numpy (in, out) weight, else the same torch kernel over the same memory."""
+    if isinstance(weight, np.ndarray):
+        out = x @ weight
+        if bias is not None:
+            out += bias.detach().numpy()
+        return out
+    return gemm(torch.from_numpy(x), weight, bias).numpy()
+
+
 class BlasLinear(nn.Linear):
     """A small nn.Linear of inference multiplied on numpy's BLAS (layout.cpu_inference_layout, where
     small_gemm.blas_is_faster): `weight_t` is the (in, out) numpy view of its transposed weight."""

@@ -189,6 +189,12 @@ def _joined(module: nn.Module, bases: list):
     return weight, bias, sizes
 
 
+def joined_weight(module: nn.Module, names: tuple[str, ...]):
+    """(weight, bias) of `module`'s joined linears `names`, as gemm takes them (joined_outputs' one GEMM)."""
+    weight, bias, _ = _joined(module, [_base(module._modules[n]) for n in names])
+    return weight, bias
+
+
 def join_linears(model: nn.Module) -> None:
     """Join every module's `joined` linears now, as joined_outputs would on first use: at load,
     so the separate copies are freed before anything else is allocated (the loader then hands

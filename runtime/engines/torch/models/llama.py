@@ -275,6 +275,20 @@ class Model(nn.Module):
         p = self.model.embed_tokens.weight
         return KVCache(self.args, batch, max_len, dtype=p.dtype, device=p.device)
 
+    def numpy_step(self, k: torch.Tensor, v: torch.Tensor):
+        """A decode step on numpy over the KV cache k, v (numpy_step.py) where this model is a plain
+        stack of this file's blocks that it computes exactly; else None (the forward decodes)."""
+        from runtime.engines.torch.models.numpy_step import NumpyStep, takes
+
+        plain = (Model, LlamaModel, RMSNorm)
+        parts = (TransformerBlock, Attention, MLP, RMSNorm, RMSNorm)
+        if (type(self), type(self.model), type(self.model.norm)) != plain or any(
+                (type(b), type(b.self_attn), type(b.mlp), type(b.input_layernorm), type(b.post_attention_layernorm)) != parts
+                for b in self.model.layers) or not takes(self, k):
+            return None
+        with torch.no_grad():  # the joined weights made now if they are not yet (layout.joined_weight)
+            return NumpyStep(self, k, v)
+
     def make_decoder(self, slots: int, max_len: int):
         """What runtime.engines.generation's Generator drives: batched prefill and decode over a KV cache."""
         from runtime.engines.torch.decode import TorchDecoder

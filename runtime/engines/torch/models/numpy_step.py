@@ -1,0 +1,186 @@
+"""A decode step of a float32 CPU base's Llama-family stack (llama.py: Llama, Qwen2, Mistral,
+SmolLM2) with its elementwise work on numpy arrays.
+
+A small model's decode step is its op calls more than its arithmetic: tiny's, 8 rows on one
+thread, is some 210 torch ops at 3-25 us each (F.rms_norm alone is seven ops on a CPU), about
+1.4 ms against 0.15 ms of products. numpy's calls on the same few rows cost a microsecond or
+two, so the step runs here on numpy views of the model's own weights and KV cache (no copy):
+the same arithmetic as llama.py's forward at one token per row, in the same order (the norms,
+the rotation folded as RotaryEmbedding folds it, decode_attention's additive bias and scale),
+and every product on the kernel the layout chose for it (gemm.product: numpy's BLAS, oneDNN's
+packed weight, or MKL). The embedding lookup, the rotation's cos/sin and the head stay the
+model's own calls, once per step.
+
+TorchDecoder.decode takes this path where llama.Model.numpy_step makes one: plain llama.py
+blocks (no LoRA wrapper, no family's own norm or attention), full rotary, float32 on a CPU
+(`takes`). Anything else decodes through the model's forward, as does every prefill and packed step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from runtime.engines.torch.models.gemm import BlasLinear, PackedLinear, product
+from runtime.engines.torch.models.layout import joined_weight
+
+
+def takes(model, k: torch.Tensor) -> bool:
+    """Whether the step computes what `model`'s forward does over a KV cache of keys `k`: its
+    float32 weights and cache on a CPU, its products all plain linears (no LoRA wrapper, whose
+    update is the model's to add), a full rotation without LongRoPE's switch (llama.Model.numpy_step
+    checks the blocks are llama.py's own)."""
+    if k.device.type != "cpu" or k.dtype != torch.float32 or model.model.embed_tokens.weight.dtype != torch.float32:
+        return False
+    for block in model.model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        linears = [attn.o_proj, mlp.down_proj, *(attn._modules[n] for n in attn.joined[0]), *(mlp._modules[n] for n in mlp.joined[0])]
+        if any(_linear_weight(m) is None for m in linears):
+            return False
+    # Partial rotary (Phi-4-mini) and LongRoPE's switch by length stay with the model's forward.
+    return all(r.inv_freq.numel() * 2 == model.args.head_dim and r.long_inv_freq is None for r in model.model.rotary.values())
+
+
+def _linear_weight(m: nn.Module):
+    """(weight, bias) of a linear as gemm.product takes them, or None for one it does not run."""
+    if type(m) is BlasLinear:
+        return m.weight_t, m.bias
+    if type(m) is PackedLinear:
+        return m.packed, m.bias
+    if type(m) is nn.Linear:
+        return m.weight, m.bias
+    return None
+
+
+def _np(t: torch.Tensor | None):
+    return None if t is None else t.detach().numpy()
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """F.rms_norm over the last axis, with the weight (llama.RMSNorm on a float32 base)."""
+    scale = np.einsum("ij,ij->i", x, x)  # the sum of squares in one call
+    scale *= 1.0 / x.shape[-1]
+    scale += eps
+    np.sqrt(scale, out=scale)
+    out = x / scale[:, None]
+    out *= weight
+    return out
+
+
+class _Layer:
+    """One block's weights as the step reads them: norms as numpy, each product's (weight, bias)."""
+
+    def __init__(self, block):
+        attn, mlp = block.self_attn, block.mlp
+        self.norms = (_np(block.input_layernorm.weight), _np(block.post_attention_layernorm.weight))
+        self.eps = block.input_layernorm.eps
+        self.qkv = joined_weight(attn, attn.joined[0])
+        self.o = _linear_weight(attn.o_proj)
+        self.gate_up = joined_weight(mlp, mlp.joined[0])
+        self.down = _linear_weight(mlp.down_proj)
+        self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.scale, self.window, self.layer_type = attn.scale, attn.window, attn.layer_type
+        self.hidden = mlp.gate_proj.weight.shape[0]
+
+
+class NumpyStep:
+    """The decode step of `model` (a llama.Model that `takes` accepts) over the KV cache k, v."""
+
+    def __init__(self, model, k: torch.Tensor, v: torch.Tensor):
+        self.model = model
+        self.layers = [_Layer(b) for b in model.model.layers]
+        self.norm, self.eps = _np(model.model.norm.weight), model.model.norm.eps
+        self.embed = _np(model.model.embed_tokens.weight)  # (vocab, D), however the layout laid it
+        # Each layer type's rotation (a sliding-window layer's may differ): inverse frequencies and scale.
+        self.rotary = {t: (r.inv_freq.numpy(), r.scale) for t, r in model.model.rotary.items()}
+        self.k, self.v = k.numpy(), v.numpy()  # (layers, slots, kv_heads, max_len, head_dim): the cache's memory
+        layers, slots, kv_heads, max_len, hd = self.k.shape
+        # Each layer's keys and values flattened to (slots * kv_heads * max_len, head_dim), for the store.
+        self.flat = [(self.k[i].reshape(-1, hd), self.v[i].reshape(-1, hd)) for i in range(layers)]
+        self.heads_index = np.arange(kv_heads)
+
+    def decode(self, slots: list[int], last: list[int], lengths: np.ndarray) -> torch.Tensor:
+        """(n, V) logits of one token per row: row i's token last[i] at position lengths[i] of slot
+        slots[i]; its keys and values are stored there."""
+        n, all_slots = len(slots), self.k.shape[1]
+        rows, positions = np.asarray(slots), np.asarray(lengths)
+        in_place = 2 * n >= all_slots  # as KVCache.reads_in_place: every slot's keys read where they lie
+        x = self.embed[last]  # (n, D), a copy: the residual stream
+        rotations = {t: rotation(positions, *r) for t, r in self.rotary.items()}
+        # Where each row's new key lands in a layer's flattened cache, and the keys each row sees.
+        index = ((rows[:, None] * len(self.heads_index) + self.heads_index) * self.k.shape[3] + positions[:, None]).reshape(-1)
+        span = int(positions.max()) + 1
+        offsets = positions
+        if in_place:
+            offsets = np.zeros(all_slots, dtype=positions.dtype)
+            offsets[rows] = positions
+        if in_place and n == all_slots and (rows == np.arange(n)).all():
+            rows = None  # every slot, in order: the queries and outputs are the cache's own order
+        biases = {}
+        with np.errstate(over="ignore"):  # silu's exp(-x) overflows to inf for a large negative x: x / inf is -0, as torch's
+            for i, layer in enumerate(self.layers):
+                if layer.window not in biases:
+                    biases[layer.window] = decode_bias(offsets, span, layer.window)
+                x = self._block(i, layer, x, *rotations[layer.layer_type], index, rows, in_place, span, biases[layer.window])
+        hidden = rms_norm(x, self.norm, self.eps)
+        return self.model.logits(torch.from_numpy(hidden))
+
+    def _block(self, i, layer: _Layer, x, cos, sin, index, rows, in_place: bool, span: int, bias):
+        n, H, KV, hd = x.shape[0], layer.heads, layer.kv_heads, layer.head_dim
+        qkv = product(rms_norm(x, layer.norms[0], layer.eps), *layer.qkv)  # (n, (H + 2 KV) hd)
+        # q and k rotated in one pass: x cos + [x2, x1] sin, sin carrying the rotation's sign.
+        qk = qkv[:, :(H + KV) * hd].reshape(n, H + KV, hd)
+        half = hd // 2
+        rotated = qk * cos
+        rotated[..., :half] += qk[..., half:] * sin[..., :half]
+        rotated[..., half:] += qk[..., :half] * sin[..., half:]
+        keys, values = self.flat[i]
+        keys[index] = rotated[:, H:].reshape(-1, hd)
+        values[index] = qkv[:, (H + KV) * hd:].reshape(-1, hd)
+        q = rotated[:, :H].reshape(n, KV, H // KV, hd)  # query heads grouped by the kv head they share
+        k, v = self.k[i, :, :, :span], self.v[i, :, :, :span]  # (slots, KV, span, hd), views
+        if not in_place:
+            k, v = k[rows], v[rows]  # the rows' keys gathered
+        elif rows is not None:  # every slot's keys where they lie: idle slots' queries are zero and their outputs dropped
+            every = np.zeros((k.shape[0], KV, H // KV, hd), dtype=q.dtype)
+            every[rows] = q
+            q = every
+        scores = np.matmul(q, k.swapaxes(-1, -2))  # (rows, KV, group, span)
+        scores *= layer.scale
+        scores += bias[:, None, None, :]
+        scores -= scores.max(-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(-1, keepdims=True)
+        out = np.matmul(scores, v)
+        if in_place and rows is not None:
+            out = out[rows]
+        x = x + product(out.reshape(n, H * hd), *layer.o)
+        gate_up = product(rms_norm(x, layer.norms[1], layer.eps), *layer.gate_up)
+        gate, up = gate_up[:, :layer.hidden], gate_up[:, layer.hidden:]
+        act = np.negative(gate)
+        np.exp(act, out=act)
+        act += 1.0
+        np.divide(gate, act, out=act)  # silu: x / (1 + exp(-x)), as torch computes it
+        act *= up
+        return x + product(act, *layer.down)
+
+
+def rotation(positions: np.ndarray, inv_freq: np.ndarray, scale: float):
+    """RotaryEmbedding's cos and sin (n, 1, head_dim) at one position per row, sin signed."""
+    freqs = positions[:, None].astype(np.float32) * inv_freq  # (n, head_dim/2)
+    cos, sin = np.cos(freqs), np.sin(freqs)
+    if scale != 1.0:
+        cos *= scale
+        sin *= scale
+    return np.concatenate([cos, cos], -1)[:, None], np.concatenate([-sin, sin], -1)[:, None]
+
+
+def decode_bias(offsets: np.ndarray, span: int, window: int | None) -> np.ndarray:
+    """attention.decode_bias on numpy: (rows, span) 0 where a row's query at key index offsets[b]
+    sees a key, -inf where not."""
+    k_idx = np.arange(span)[None, :]
+    hidden = k_idx > offsets[:, None]
+    if window is not None:
+        hidden |= k_idx <= offsets[:, None] - window
+    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))

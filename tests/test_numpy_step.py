@@ -1,0 +1,123 @@
+"""A float32 CPU base's decode step on numpy (runtime/engines/torch/models/numpy_step.py): which
+models take it, and its logits held to the model's own forward (the decoder with numpy_step=False)
+step after step: rows in and out of slot order, few and most slots, a sliding window, every
+product kernel the layout may choose (numpy's BLAS, MKL, oneDNN's packed weights), Qwen2's
+biases, a Llama-3 rotation; greedy tokens identical through the Generator."""
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.engines.generation import Generator, Request
+from runtime.engines.torch.decode import TorchDecoder
+from runtime.engines.torch.models import layout, load_model
+from runtime.engines.torch.models.small_gemm import blas_is_faster
+from runtime.models.ref import resolve_model
+from runtime.models.tiny import ensure_tiny
+from runtime.models.tokenizer import Tokenizer
+from tests.support.hf_fixtures import WINDOW, make_family
+
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPILLPACK_HOME", str(tmp_path / "home"))
+
+
+def family_dir(tmp_path, name):
+    if name == "tiny":
+        return resolve_model(str(ensure_tiny()))
+    return resolve_model(str(make_family(name, tmp_path / name)[0]))
+
+
+def ids(rng, n):
+    return rng.integers(5, 990, size=n).tolist()
+
+
+def steps_agree(model, slots=5, max_len=64, steps=3):
+    """Prefill every slot, then decode on numpy and on the model's forward side by side: all rows
+    in order, some out of order (read in place), one (gathered); every step's logits agree."""
+    rng = np.random.default_rng(0)
+    ours, oracle = TorchDecoder(model, slots, max_len), TorchDecoder(model, slots, max_len, numpy_step=False)
+    assert ours.numpy_step is not None and oracle.numpy_step is None
+    prompts = [ids(rng, 3 + 7 * i) for i in range(slots)]
+    assert max(map(len, prompts)) > WINDOW  # Mistral's window slides
+    for dec in (ours, oracle):
+        dec.prefill(list(range(slots)), prompts)
+    worst = 0.0
+    for rows in (list(range(slots)), [3, 0, 2], [4], [1, 4, 0, 3, 2]):
+        for _ in range(steps):
+            last = [int(t) for t in rng.integers(5, 990, size=len(rows))]
+            got, want = np.asarray(ours.decode(rows, last)), np.asarray(oracle.decode(rows, last))
+            worst = max(worst, float(np.abs(got - want).max()))
+            np.testing.assert_allclose(got, want, atol=TOL)
+    assert list(ours.host_lengths) == list(oracle.host_lengths)
+    assert torch.equal(ours.cache.lengths, oracle.cache.lengths)
+    np.testing.assert_allclose(ours.cache.k.numpy(), oracle.cache.k.numpy(), atol=TOL)
+    return worst
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama", "mistral"])
+@pytest.mark.parametrize("cpu_inference", [False, True])
+def test_numpy_decode_steps_match_the_models_forward(tmp_path, name, cpu_inference):
+    steps_agree(load_model(family_dir(tmp_path, name), cpu_inference=cpu_inference))
+
+
+@pytest.mark.parametrize("kernel", ["blas", "mkl", "packed"])
+def test_every_product_kernel_of_the_inference_layout(tmp_path, monkeypatch, kernel):
+    """The layout's products as the machine's measurement may choose them: numpy's BLAS, MKL over
+    the transposed weights, or oneDNN's packed weights (the threshold lowered so tiny's are)."""
+    monkeypatch.setenv("SPILLPACK_SMALL_GEMM", "mkl" if kernel == "mkl" else "blas")
+    blas_is_faster.cache_clear()
+    if kernel == "packed":
+        monkeypatch.setattr(layout, "PACK_MIN_WEIGHTS", 1)
+    try:
+        model = load_model(family_dir(tmp_path, "tiny"), cpu_inference=True)
+        qkv = model.model.layers[0].self_attn.__dict__["joined_linears"][1][0]
+        assert isinstance(qkv, np.ndarray) == (kernel == "blas")
+        assert (getattr(qkv, "layout", None) == torch._mkldnn) == (kernel == "packed")
+        steps_agree(model)
+    finally:
+        blas_is_faster.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "gemma3_text", "qwen3_moe"])
+def test_families_with_their_own_layers_decode_through_their_forward(tmp_path, name):
+    model = load_model(family_dir(tmp_path, name), cpu_inference=True)
+    assert TorchDecoder(model, 2, 32).numpy_step is None
+
+
+def test_an_adapter_or_a_bfloat16_base_decodes_through_the_forward(tmp_path):
+    from tests.test_models import _random_lora
+
+    model_dir = family_dir(tmp_path, "tiny")
+    with_adapter = load_model(model_dir, cpu_inference=True)
+    _random_lora(model_dir, with_adapter)
+    assert TorchDecoder(with_adapter, 2, 32).numpy_step is None
+    assert TorchDecoder(load_model(model_dir, dtype=torch.bfloat16), 2, 32).numpy_step is None
+    assert TorchDecoder(load_model(model_dir), 2, 32, every_slot=True).numpy_step is None
+
+
+def test_greedy_generation_is_token_identical_on_numpy_and_on_the_forward(tmp_path):
+    """tiny's rows of mixed lengths through the Generator (slots refill, packed steps between the
+    numpy ones): the same tokens, row for row, and rows that stop at tiny's end-of-turn."""
+    model_dir = family_dir(tmp_path, "tiny")
+    model = load_model(model_dir, cpu_inference=True)
+    tok = Tokenizer.from_dir(model_dir.path)
+    words = (ensure_tiny().parent / "tiny_corpus.txt")
+    text = words.read_text().split() if words.exists() else ["the", "cat", "sat"] * 100
+    rng = np.random.default_rng(5)
+    prompts = [tok.encode(" ".join(text[int(s):int(s) + int(n)])) for s, n in zip(rng.integers(0, 200, 24), rng.integers(2, 40, 24))]
+    limits = [int(n) for n in rng.integers(1, 24, size=len(prompts))]
+    runs = {}
+    for numpy_step in (False, True):
+        gen = Generator(TorchDecoder(model, 4, 128, numpy_step=numpy_step), tok)
+        for i, (p, n) in enumerate(zip(prompts, limits)):
+            gen.add(Request(str(i), p, n))
+        done = {}
+        while gen.active:
+            done.update((r.key, r.tokens) for r in gen.step())
+        runs[numpy_step] = [done[str(i)] for i in range(len(prompts))]
+    assert runs[True] == runs[False]
+    assert all(0 < len(t) <= n for t, n in zip(runs[True], limits))
