@@ -2,7 +2,7 @@
 models take it, and its logits held to the model's own forward (the decoder with numpy_step=False)
 step after step: rows in and out of slot order, few and most slots, a sliding window, every
 product kernel the layout may choose (numpy's BLAS, MKL, oneDNN's packed weights), Qwen2's
-biases, a Llama-3 rotation; greedy tokens identical through the Generator."""
+biases, a Llama-3 rotation, an adapter's LoRA updates; greedy tokens identical through the Generator."""
 
 import numpy as np
 import pytest
@@ -88,13 +88,40 @@ def test_families_with_their_own_layers_decode_through_their_forward(tmp_path, n
     assert TorchDecoder(model, 2, 32).numpy_step is None
 
 
-def test_an_adapter_or_a_bfloat16_base_decodes_through_the_forward(tmp_path):
+@pytest.mark.parametrize("kernel", ["blas", "packed"])
+def test_an_adapters_updates_are_added_on_numpy(tmp_path, monkeypatch, kernel):
+    """`run --adapter`: a random rank-4 LoRA on q/v/o/down (q and v inside the joined q/k/v GEMM,
+    k not), over the layout's BLAS or packed products; the adapter moves the logits, and the step
+    agrees with the forward through the LoRA wrappers."""
     from tests.test_models import _random_lora
 
+    monkeypatch.setenv("SPILLPACK_SMALL_GEMM", "blas")
+    blas_is_faster.cache_clear()
+    if kernel == "packed":
+        monkeypatch.setattr(layout, "PACK_MIN_WEIGHTS", 1)
+    try:
+        model_dir = family_dir(tmp_path, "tiny")
+        plain, with_adapter = load_model(model_dir, cpu_inference=True), load_model(model_dir, cpu_inference=True)
+        _random_lora(model_dir, with_adapter)
+        steps_agree(with_adapter)
+        a, b = TorchDecoder(plain, 1, 16), TorchDecoder(with_adapter, 1, 16)
+        for dec in (a, b):
+            dec.prefill([0], [[5, 6, 7]])
+        assert np.abs(np.asarray(a.decode([0], [9])) - np.asarray(b.decode([0], [9]))).max() > 1e-2
+    finally:
+        blas_is_faster.cache_clear()
+
+
+def test_dropout_in_training_or_a_bfloat16_base_decodes_through_the_forward(tmp_path):
+    from runtime.engines.torch.engine import apply_lora
+    from runtime.models.lora import LoraSpec, init_tensors
+
     model_dir = family_dir(tmp_path, "tiny")
-    with_adapter = load_model(model_dir, cpu_inference=True)
-    _random_lora(model_dir, with_adapter)
-    assert TorchDecoder(with_adapter, 2, 32).numpy_step is None
+    training = load_model(model_dir, cpu_inference=True)
+    spec = LoraSpec(4, 8.0, ("q_proj",), dropout=0.1)
+    apply_lora(training, init_tensors(model_dir.config, spec, 0), spec, "cpu")
+    assert TorchDecoder(training.train(), 2, 32).numpy_step is None  # dropout's masks are the forward's
+    assert TorchDecoder(training.eval(), 2, 32).numpy_step is not None
     assert TorchDecoder(load_model(model_dir, dtype=torch.bfloat16), 2, 32).numpy_step is None
     assert TorchDecoder(load_model(model_dir), 2, 32, every_slot=True).numpy_step is None
 

@@ -12,8 +12,8 @@ packed weight, or MKL). The embedding lookup, the rotation's cos/sin and the hea
 model's own calls, once per step.
 
 TorchDecoder.decode takes this path where llama.Model.numpy_step makes one: plain llama.py
-blocks (no LoRA wrapper, no family's own norm or attention), full rotary, float32 on a CPU
-(`takes`). Anything else decodes through the model's forward, as does every prefill and packed step.
+blocks (no family's own norm or attention; an adapter's LoRA updates added as LoRALinear adds
+them), full rotary, float32 on a CPU (`takes`). Anything else decodes through the model's forward, as does every prefill and packed step.
 """
 
 from __future__ import annotations
@@ -28,22 +28,65 @@ from runtime.engines.torch.models.layout import joined_weight
 
 def takes(model, k: torch.Tensor) -> bool:
     """Whether the step computes what `model`'s forward does over a KV cache of keys `k`: its
-    float32 weights and cache on a CPU, its products all plain linears (no LoRA wrapper, whose
-    update is the model's to add), a full rotation without LongRoPE's switch (llama.Model.numpy_step
-    checks the blocks are llama.py's own)."""
+    float32 weights and cache on a CPU, its products plain linears or LoRA wrappers of them with
+    dropout off, a full rotation without LongRoPE's switch (llama.Model.numpy_step checks the
+    blocks are llama.py's own)."""
     if k.device.type != "cpu" or k.dtype != torch.float32 or model.model.embed_tokens.weight.dtype != torch.float32:
         return False
     for block in model.model.layers:
         attn, mlp = block.self_attn, block.mlp
         linears = [attn.o_proj, mlp.down_proj, *(attn._modules[n] for n in attn.joined[0]), *(mlp._modules[n] for n in mlp.joined[0])]
-        if any(_linear_weight(m) is None for m in linears):
+        if any(_linear_weight(_base(m)) is None or (_lora(m) is not None and m.training and m.p > 0) for m in linears):
             return False
     # Partial rotary (Phi-4-mini) and LongRoPE's switch by length stay with the model's forward.
     return all(r.inv_freq.numel() * 2 == model.args.head_dim and r.long_inv_freq is None for r in model.model.rotary.values())
 
 
+def _base(m: nn.Module) -> nn.Module:
+    return m._modules.get("base", m)  # a LoRA wrapper's frozen linear (engine.LoRALinear), as layout.joined_outputs finds it
+
+
+def _lora(m: nn.Module):
+    """A LoRA wrapper's update as the step adds it: (A^T (in, r), B^T (r, out), scale), numpy views
+    of its float32 parameters; None for a plain linear."""
+    if m._modules.get("base") is None or not hasattr(m, "lora_A"):
+        return None
+    return _np(m.lora_A).T, _np(m.lora_B).T, float(m.scale)
+
+
+class _Product:
+    """One GEMM of the step: x @ weight^T + bias on the kernel the layout chose (gemm.product), then
+    each LoRA update, scale (x A^T) B^T, added on its linear's columns (as LoRALinear.add_update)."""
+
+    def __init__(self, weight, bias, updates=()):
+        self.weight, self.bias, self.updates = weight, bias, updates  # updates: (start, stop, A^T, B^T, scale)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        y = product(x, self.weight, self.bias)
+        for start, stop, a, b, scale in self.updates:
+            update = (x @ a) @ b
+            update *= scale
+            y[:, start:stop] += update
+        return y
+
+
+def _product(module: nn.Module, names: tuple[str, ...] | None = None) -> _Product:
+    """The step's product for one linear (`module`), or for `module`'s joined linears `names`."""
+    linears = [module] if names is None else [module._modules[n] for n in names]
+    weight, bias = _linear_weight(module) if names is None else joined_weight(module, names)
+    updates, start = [], 0
+    for m in linears:
+        stop = start + _base(m).weight.shape[0]
+        if _lora(m) is not None:
+            updates.append((start, stop, *_lora(m)))
+        start = stop
+    return _Product(weight, bias, tuple(updates))
+
+
 def _linear_weight(m: nn.Module):
-    """(weight, bias) of a linear as gemm.product takes them, or None for one it does not run."""
+    """(weight, bias) of a linear (a LoRA wrapper's frozen one) as gemm.product takes them, or None
+    for one it does not run."""
+    m = _base(m)
     if type(m) is BlasLinear:
         return m.weight_t, m.bias
     if type(m) is PackedLinear:
@@ -75,10 +118,10 @@ class _Layer:
         attn, mlp = block.self_attn, block.mlp
         self.norms = (_np(block.input_layernorm.weight), _np(block.post_attention_layernorm.weight))
         self.eps = block.input_layernorm.eps
-        self.qkv = joined_weight(attn, attn.joined[0])
-        self.o = _linear_weight(attn.o_proj)
-        self.gate_up = joined_weight(mlp, mlp.joined[0])
-        self.down = _linear_weight(mlp.down_proj)
+        self.qkv = _product(attn, attn.joined[0])
+        self.o = _product(attn.o_proj)
+        self.gate_up = _product(mlp, mlp.joined[0])
+        self.down = _product(mlp.down_proj)
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.scale, self.window, self.layer_type = attn.scale, attn.window, attn.layer_type
         self.hidden = mlp.gate_proj.weight.shape[0]
@@ -128,7 +171,7 @@ class NumpyStep:
 
     def _block(self, i, layer: _Layer, x, cos, sin, index, rows, in_place: bool, span: int, bias):
         n, H, KV, hd = x.shape[0], layer.heads, layer.kv_heads, layer.head_dim
-        qkv = product(rms_norm(x, layer.norms[0], layer.eps), *layer.qkv)  # (n, (H + 2 KV) hd)
+        qkv = layer.qkv(rms_norm(x, layer.norms[0], layer.eps))  # (n, (H + 2 KV) hd)
         # q and k rotated in one pass: x cos + [x2, x1] sin, sin carrying the rotation's sign.
         qk = qkv[:, :(H + KV) * hd].reshape(n, H + KV, hd)
         half = hd // 2
@@ -155,15 +198,15 @@ class NumpyStep:
         out = np.matmul(scores, v)
         if in_place and rows is not None:
             out = out[rows]
-        x = x + product(out.reshape(n, H * hd), *layer.o)
-        gate_up = product(rms_norm(x, layer.norms[1], layer.eps), *layer.gate_up)
+        x = x + layer.o(out.reshape(n, H * hd))
+        gate_up = layer.gate_up(rms_norm(x, layer.norms[1], layer.eps))
         gate, up = gate_up[:, :layer.hidden], gate_up[:, layer.hidden:]
         act = np.negative(gate)
         np.exp(act, out=act)
         act += 1.0
         np.divide(gate, act, out=act)  # silu: x / (1 + exp(-x)), as torch computes it
         act *= up
-        return x + product(act, *layer.down)
+        return x + layer.down(act)
 
 
 def rotation(positions: np.ndarray, inv_freq: np.ndarray, scale: float):
