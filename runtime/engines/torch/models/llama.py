@@ -249,6 +249,9 @@ class LlamaModel(nn.Module):
 class Model(nn.Module):
     decoder = LlamaModel  # a family's decoder stack
     head_kernel = "linear"  # a tied head's product, as gemm.head takes it (the layouts of layout.py set it)
+    # The block, attention and MLP classes whose decode step numpy_step.py computes exactly (a
+    # family with its own sets its own, qwen3.py; None: the forward decodes every step).
+    numpy_parts = (TransformerBlock, Attention, MLP)
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -280,9 +283,11 @@ class Model(nn.Module):
         stack of this file's blocks that it computes exactly; else None (the forward decodes)."""
         from runtime.engines.torch.models.numpy_step import NumpyStep, takes
 
-        plain = (Model, LlamaModel, RMSNorm)
-        parts = (TransformerBlock, Attention, MLP, RMSNorm, RMSNorm)
-        if (type(self), type(self.model), type(self.model.norm)) != plain or any(
+        decoder = type(self.model)
+        if self.numpy_parts is None or decoder.forward is not LlamaModel.forward or decoder.embed is not LlamaModel.embed:
+            return None
+        parts = (*self.numpy_parts, RMSNorm, RMSNorm)
+        if type(self.model.norm) is not RMSNorm or any(
                 (type(b), type(b.self_attn), type(b.mlp), type(b.input_layernorm), type(b.post_attention_layernorm)) != parts
                 for b in self.model.layers) or not takes(self, k):
             return None

@@ -1,5 +1,5 @@
 """A decode step of a float32 CPU base's Llama-family stack (llama.py: Llama, Qwen2, Mistral,
-SmolLM2) with its elementwise work on numpy arrays.
+SmolLM2; qwen3.py's q/k norms) with its elementwise work on numpy arrays.
 
 A small model's decode step is its op calls more than its arithmetic: tiny's, 8 rows on one
 thread, is some 210 torch ops at 3-25 us each (F.rms_norm alone is seven ops on a CPU), about
@@ -102,11 +102,11 @@ def _np(t: torch.Tensor | None):
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """F.rms_norm over the last axis, with the weight (llama.RMSNorm on a float32 base)."""
-    scale = np.einsum("ij,ij->i", x, x)  # the sum of squares in one call
+    scale = np.einsum("...j,...j->...", x, x)  # the sum of squares in one call
     scale *= 1.0 / x.shape[-1]
     scale += eps
     np.sqrt(scale, out=scale)
-    out = x / scale[:, None]
+    out = x / scale[..., None]
     out *= weight
     return out
 
@@ -125,6 +125,12 @@ class _Layer:
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.scale, self.window, self.layer_type = attn.scale, attn.window, attn.layer_type
         self.hidden = mlp.gate_proj.weight.shape[0]
+        # Qwen3's per-head norms of q and k as one (heads + kv_heads, head_dim) weight over the joined q/k heads.
+        self.qk_norm, self.qk_eps = None, None
+        if getattr(attn, "q_norm", None) is not None:
+            self.qk_norm = np.concatenate([np.broadcast_to(_np(attn.q_norm.weight), (self.heads, self.head_dim)),
+                                           np.broadcast_to(_np(attn.k_norm.weight), (self.kv_heads, self.head_dim))])
+            self.qk_eps = attn.q_norm.eps  # k_norm's too: both are the config's rms_norm_eps
 
 
 class NumpyStep:
@@ -174,6 +180,8 @@ class NumpyStep:
         qkv = layer.qkv(rms_norm(x, layer.norms[0], layer.eps))  # (n, (H + 2 KV) hd)
         # q and k rotated in one pass: x cos + [x2, x1] sin, sin carrying the rotation's sign.
         qk = qkv[:, :(H + KV) * hd].reshape(n, H + KV, hd)
+        if layer.qk_norm is not None:  # Qwen3: each head's q and k normed over head_dim before the rotation
+            qk = rms_norm(qk, layer.qk_norm, layer.qk_eps)
         half = hd // 2
         rotated = qk * cos
         rotated[..., :half] += qk[..., half:] * sin[..., :half]

@@ -28,3 +28,4 @@ class Qwen3Model(llama.LlamaModel):
 
 class Model(llama.Model):
     decoder = Qwen3Model
+    numpy_parts = (TransformerBlock, Attention, llama.MLP)  # numpy_step.py applies the q/k norms
