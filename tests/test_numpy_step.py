@@ -64,6 +64,44 @@ def test_numpy_decode_steps_match_the_models_forward(tmp_path, name, cpu_inferen
     steps_agree(load_model(family_dir(tmp_path, name), cpu_inference=cpu_inference))
 
 
+def packed_agree(model, slots=5, max_len=96):
+    """Packed steps (rows starting inside a decode step) on numpy and on the forward's PackedStep:
+    a prefill packed without padding, then steps whose decoding rows are most slots (in place) or
+    one (gathered), with pieces starting fresh, from the prefix entry (offset, masked), and longer
+    than Mistral's window; every logit agrees, and the decode steps after them."""
+    from runtime.engines.prefill import MIN_SHARED_PREFIX
+
+    rng = np.random.default_rng(1)
+    ours, oracle = TorchDecoder(model, slots, max_len), TorchDecoder(model, slots, max_len, numpy_step=False)
+    seen, step = [], ours.numpy_step.step
+    ours.numpy_step.step = lambda tokens, slots, lengths, pieces: seen.extend(pieces) or step(tokens, slots, lengths, pieces)
+    head = ids(rng, MIN_SHARED_PREFIX + 4)
+    first = [head + ids(rng, 5), ids(rng, 9), ids(rng, 3)]
+    results = [dec.decode_and_prefill([], [], [0, 1, 2], first) for dec in (ours, oracle)]
+    np.testing.assert_allclose(results[0][1], results[1][1], atol=TOL)
+    for running, starting, prompts in (([0, 2, 1], [3, 4], [head + ids(rng, 7), ids(rng, WINDOW + 6)]),
+                                       ([4], [0], [ids(rng, 12)])):
+        for dec in (ours, oracle):
+            for slot in starting:
+                dec.release(slot)
+        last = [int(t) for t in rng.integers(5, 990, size=len(running))]
+        (d1, s1), (d2, s2) = (dec.decode_and_prefill(running, last, starting, prompts) for dec in (ours, oracle))
+        np.testing.assert_allclose(d1, d2, atol=TOL)
+        np.testing.assert_allclose(s1, s2, atol=TOL)
+    assert any(start > 0 for _, start, _ in seen)  # a piece started from the prefix entry, at an offset
+    assert any(n > WINDOW for _, _, n in seen)
+    everyone = list(range(slots))
+    for _ in range(2):
+        last = [int(t) for t in rng.integers(5, 990, size=slots)]
+        np.testing.assert_allclose(ours.decode(everyone, last), oracle.decode(everyone, last), atol=TOL)
+    np.testing.assert_allclose(ours.cache.k.numpy(), oracle.cache.k.numpy(), atol=TOL)
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama", "mistral", "qwen3"])
+def test_packed_steps_on_numpy_match_the_forwards_packed_step(tmp_path, name):
+    packed_agree(load_model(family_dir(tmp_path, name), cpu_inference=True))
+
+
 @pytest.mark.parametrize("kernel", ["blas", "mkl", "packed"])
 def test_every_product_kernel_of_the_inference_layout(tmp_path, monkeypatch, kernel):
     """The layout's products as the machine's measurement may choose them: numpy's BLAS, MKL over
@@ -78,6 +116,7 @@ def test_every_product_kernel_of_the_inference_layout(tmp_path, monkeypatch, ker
         assert isinstance(qkv, np.ndarray) == (kernel == "blas")
         assert (getattr(qkv, "layout", None) == torch._mkldnn) == (kernel == "packed")
         steps_agree(model)
+        packed_agree(model)
     finally:
         blas_is_faster.cache_clear()
 
@@ -104,6 +143,7 @@ def test_an_adapters_updates_are_added_on_numpy(tmp_path, monkeypatch, kernel):
         plain, with_adapter = load_model(model_dir, cpu_inference=True), load_model(model_dir, cpu_inference=True)
         _random_lora(model_dir, with_adapter)
         steps_agree(with_adapter)
+        packed_agree(with_adapter)
         a, b = TorchDecoder(plain, 1, 16), TorchDecoder(with_adapter, 1, 16)
         for dec in (a, b):
             dec.prefill([0], [[5, 6, 7]])

@@ -154,12 +154,15 @@ class TorchDecoder(PrefixPrefill):
         starts = [self._reuse(s, p) for s, p in zip(new_slots, prompts)]
         lengths = self.host_lengths[slots].tolist()
         pieces = [p[start:] for p, start in zip(prompts, starts)]
-        step = PackedStep(self.cache, slots, lengths, new_slots, starts, list(map(len, pieces)),
-                          self._span(max(lengths, default=0) + 1))
-        ids = torch.tensor(last + [t for p in pieces for t in p], device=self.device)[None]
-        hidden = self.model.hidden_states(ids, cache=step)[0]  # (N, D)
-        ends = list(range(len(slots))) + [at + n - 1 for _, _, n, at in step.parts]
-        logits = self._host(self.model.logits(hidden[torch.tensor(ends, device=self.device)]))
+        tokens = last + [t for p in pieces for t in p]
+        if self.numpy_step is not None:
+            logits = self._host(self.numpy_step.step(tokens, slots, lengths, list(zip(new_slots, starts, map(len, pieces)))))
+        else:
+            step = PackedStep(self.cache, slots, lengths, new_slots, starts, list(map(len, pieces)),
+                              self._span(max(lengths, default=0) + 1))
+            hidden = self.model.hidden_states(torch.tensor(tokens, device=self.device)[None], cache=step)[0]  # (N, D)
+            ends = list(range(len(slots))) + [at + n - 1 for _, _, n, at in step.parts]
+            logits = self._host(self.model.logits(hidden[torch.tensor(ends, device=self.device)]))
         self._set_lengths(slots + new_slots, [n + 1 for n in lengths] + [len(p) for p in prompts])
         self._remember(new_slots[0], prompts[0])
         return logits[: len(slots)], logits[len(slots):]

@@ -8,20 +8,24 @@ two, so the step runs here on numpy views of the model's own weights and KV cach
 the same arithmetic as llama.py's forward at one token per row, in the same order (the norms,
 the rotation folded as RotaryEmbedding folds it, decode_attention's additive bias and scale),
 and every product on the kernel the layout chose for it (gemm.product: numpy's BLAS, oneDNN's
-packed weight, or MKL). The embedding lookup, the rotation's cos/sin and the head stay the
-model's own calls, once per step.
+packed weight, or MKL). The head stays the model's own call (gemm.head's kernels), once per step.
 
-TorchDecoder.decode takes this path where llama.Model.numpy_step makes one: plain llama.py
-blocks (no family's own norm or attention; an adapter's LoRA updates added as LoRALinear adds
-them), full rotary, float32 on a CPU (`takes`). Anything else decodes through the model's forward, as does every prefill and packed step.
+The packed step (attention.PackedStep: rows starting inside a decode step, or a prefill packed
+without padding) runs here too, each prompt piece's attention on the same SDPA kernel over
+zero-copy views. TorchDecoder takes this path where llama.Model.numpy_step makes one: plain
+llama.py blocks (no family's own norm or attention; an adapter's LoRA updates added as
+LoRALinear adds them), full rotary, float32 on a CPU (`takes`). Anything else runs through the
+model's forward, as does a padded prefill.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from runtime.engines.torch.models.attention import build_mask
 from runtime.engines.torch.models.gemm import BlasLinear, PackedLinear, product
 from runtime.engines.torch.models.layout import joined_weight
 
@@ -147,39 +151,31 @@ class NumpyStep:
         layers, slots, kv_heads, max_len, hd = self.k.shape
         # Each layer's keys and values flattened to (slots * kv_heads * max_len, head_dim), for the store.
         self.flat = [(self.k[i].reshape(-1, hd), self.v[i].reshape(-1, hd)) for i in range(layers)]
-        self.heads_index = np.arange(kv_heads)
 
-    def decode(self, slots: list[int], last: list[int], lengths: np.ndarray) -> torch.Tensor:
+    def decode(self, slots: list[int], last: list[int], lengths) -> torch.Tensor:
         """(n, V) logits of one token per row: row i's token last[i] at position lengths[i] of slot
         slots[i]; its keys and values are stored there."""
-        n, all_slots = len(slots), self.k.shape[1]
-        rows, positions = np.asarray(slots), np.asarray(lengths)
-        in_place = 2 * n >= all_slots  # as KVCache.reads_in_place: every slot's keys read where they lie
-        x = self.embed[last]  # (n, D), a copy: the residual stream
-        rotations = {t: rotation(positions, *r) for t, r in self.rotary.items()}
-        # Where each row's new key lands in a layer's flattened cache, and the keys each row sees.
-        index = ((rows[:, None] * len(self.heads_index) + self.heads_index) * self.k.shape[3] + positions[:, None]).reshape(-1)
-        span = int(positions.max()) + 1
-        offsets = positions
-        if in_place:
-            offsets = np.zeros(all_slots, dtype=positions.dtype)
-            offsets[rows] = positions
-        if in_place and n == all_slots and (rows == np.arange(n)).all():
-            rows = None  # every slot, in order: the queries and outputs are the cache's own order
-        biases = {}
+        return self.step(last, slots, lengths, [])
+
+    def step(self, tokens: list[int], slots: list[int], lengths, pieces: list[tuple[int, int, int]]) -> torch.Tensor:
+        """attention.PackedStep's forward: one token for each decoding row (slots, their lengths),
+        then each piece (slot, start, n) of a prompt starting in its slot at position `start`,
+        `tokens` packed end to end in that order. Logits (rows + pieces, V) at each decoding row and
+        at each piece's last token."""
+        plan = _Plan(self, slots, lengths, pieces)
+        x = self.embed[tokens]  # (N, D), a copy: the residual stream
+        rotations = {t: rotation(plan.positions, *r) for t, r in self.rotary.items()}
         with np.errstate(over="ignore"):  # silu's exp(-x) overflows to inf for a large negative x: x / inf is -0, as torch's
             for i, layer in enumerate(self.layers):
-                if layer.window not in biases:
-                    biases[layer.window] = decode_bias(offsets, span, layer.window)
-                x = self._block(i, layer, x, *rotations[layer.layer_type], index, rows, in_place, span, biases[layer.window])
-        hidden = rms_norm(x, self.norm, self.eps)
+                x = self._block(i, layer, x, *rotations[layer.layer_type], plan)
+        hidden = rms_norm(x[plan.ends] if pieces else x, self.norm, self.eps)
         return self.model.logits(torch.from_numpy(hidden))
 
-    def _block(self, i, layer: _Layer, x, cos, sin, index, rows, in_place: bool, span: int, bias):
-        n, H, KV, hd = x.shape[0], layer.heads, layer.kv_heads, layer.head_dim
-        qkv = layer.qkv(rms_norm(x, layer.norms[0], layer.eps))  # (n, (H + 2 KV) hd)
+    def _block(self, i, layer: _Layer, x, cos, sin, plan: "_Plan"):
+        N, H, KV, hd = x.shape[0], layer.heads, layer.kv_heads, layer.head_dim
+        qkv = layer.qkv(rms_norm(x, layer.norms[0], layer.eps))  # (N, (H + 2 KV) hd)
         # q and k rotated in one pass: x cos + [x2, x1] sin, sin carrying the rotation's sign.
-        qk = qkv[:, :(H + KV) * hd].reshape(n, H + KV, hd)
+        qk = qkv[:, :(H + KV) * hd].reshape(N, H + KV, hd)
         if layer.qk_norm is not None:  # Qwen3: each head's q and k normed over head_dim before the rotation
             qk = rms_norm(qk, layer.qk_norm, layer.qk_eps)
         half = hd // 2
@@ -187,26 +183,17 @@ class NumpyStep:
         rotated[..., :half] += qk[..., half:] * sin[..., :half]
         rotated[..., half:] += qk[..., :half] * sin[..., half:]
         keys, values = self.flat[i]
-        keys[index] = rotated[:, H:].reshape(-1, hd)
-        values[index] = qkv[:, (H + KV) * hd:].reshape(-1, hd)
-        q = rotated[:, :H].reshape(n, KV, H // KV, hd)  # query heads grouped by the kv head they share
-        k, v = self.k[i, :, :, :span], self.v[i, :, :, :span]  # (slots, KV, span, hd), views
-        if not in_place:
-            k, v = k[rows], v[rows]  # the rows' keys gathered
-        elif rows is not None:  # every slot's keys where they lie: idle slots' queries are zero and their outputs dropped
-            every = np.zeros((k.shape[0], KV, H // KV, hd), dtype=q.dtype)
-            every[rows] = q
-            q = every
-        scores = np.matmul(q, k.swapaxes(-1, -2))  # (rows, KV, group, span)
-        scores *= layer.scale
-        scores += bias[:, None, None, :]
-        scores -= scores.max(-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(-1, keepdims=True)
-        out = np.matmul(scores, v)
-        if in_place and rows is not None:
-            out = out[rows]
-        x = x + layer.o(out.reshape(n, H * hd))
+        keys[plan.index] = rotated[:, H:].reshape(-1, hd)
+        values[plan.index] = qkv[:, (H + KV) * hd:].reshape(-1, hd)
+        if not plan.pieces:
+            out = self._decode_attention(i, layer, rotated[:, :H], plan)
+        else:
+            out = np.empty((N, H, hd), dtype=x.dtype)
+            if plan.n:
+                out[:plan.n] = self._decode_attention(i, layer, rotated[:plan.n, :H], plan)
+            for (slot, start, n, at), mask in zip(plan.pieces, plan.masks(layer.window)):
+                out[at:at + n] = self._piece_attention(i, layer, rotated[at:at + n, :H], slot, start + n, mask)
+        x = x + layer.o(out.reshape(N, H * hd))
         gate_up = layer.gate_up(rms_norm(x, layer.norms[1], layer.eps))
         gate, up = gate_up[:, :layer.hidden], gate_up[:, layer.hidden:]
         act = np.negative(gate)
@@ -215,6 +202,83 @@ class NumpyStep:
         np.divide(gate, act, out=act)  # silu: x / (1 + exp(-x)), as torch computes it
         act *= up
         return x + layer.down(act)
+
+    def _decode_attention(self, i, layer: _Layer, q, plan: "_Plan"):
+        """The decoding rows' attention (attention.rows_attention): q (n, H, hd) -> (n, H, hd)."""
+        n, H, KV, hd = q.shape[0], layer.heads, layer.kv_heads, layer.head_dim
+        q = q.reshape(n, KV, H // KV, hd)  # query heads grouped by the kv head they share
+        k, v = self.k[i, :, :, :plan.span], self.v[i, :, :, :plan.span]  # (slots, KV, span, hd), views
+        if not plan.in_place:
+            k, v = k[plan.rows], v[plan.rows]  # the rows' keys gathered
+        elif plan.rows is not None:  # every slot's keys where they lie: idle slots' queries are zero and their outputs dropped
+            every = np.zeros((k.shape[0], KV, H // KV, hd), dtype=q.dtype)
+            every[plan.rows] = q
+            q = every
+        scores = np.matmul(q, k.swapaxes(-1, -2))  # (rows, KV, group, span)
+        scores *= layer.scale
+        scores += plan.bias(layer.window)[:, None, None, :]
+        scores -= scores.max(-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(-1, keepdims=True)
+        out = np.matmul(scores, v)
+        if plan.in_place and plan.rows is not None:
+            out = out[plan.rows]
+        return out.reshape(n, H, hd)
+
+    def _piece_attention(self, i, layer: _Layer, q, slot: int, keys: int, mask):
+        """A prompt piece's causal attention over its slot's first `keys` keys, on the same SDPA
+        kernel as PackedStep (zero-copy torch views): q (n, H, hd) -> (n, H, hd)."""
+        as_torch = torch.from_numpy
+        out = F.scaled_dot_product_attention(
+            as_torch(q).transpose(0, 1)[None], as_torch(self.k[i, slot:slot + 1, :, :keys]),
+            as_torch(self.v[i, slot:slot + 1, :, :keys]), attn_mask=mask, is_causal=mask is None, enable_gqa=True,
+            scale=layer.scale)  # (1, H, n, hd)
+        return out[0].transpose(0, 1).numpy()
+
+
+class _Plan:
+    """What every layer of one step reads, made once: each token's slot and position, where its
+    key lands, the decoding rows' key span and bias, and each piece's SDPA mask."""
+
+    def __init__(self, step: NumpyStep, slots: list[int], lengths, pieces: list[tuple[int, int, int]]):
+        all_slots, kv_heads, max_len = step.k.shape[1], step.k.shape[2], step.k.shape[3]
+        self.n = n = len(slots)
+        rows, positions = list(slots), [int(p) for p in lengths]
+        self.pieces = []  # (slot, start, n, index of its first token)
+        for slot, start, m in pieces:
+            self.pieces.append((slot, start, m, len(rows)))
+            rows += [slot] * m
+            positions += range(start, start + m)
+        self.positions = np.asarray(positions, dtype=np.int64)
+        token_rows = np.asarray(rows, dtype=np.int64)
+        # Where each token's key lands in a layer's flattened cache, for every kv head.
+        self.index = ((token_rows[:, None] * kv_heads + np.arange(kv_heads)) * max_len + self.positions[:, None]).reshape(-1)
+        self.ends = list(range(n)) + [at + m - 1 for _, _, m, at in self.pieces]
+        # The decoding rows' attention: every slot's keys in place with most slots decoding (as
+        # KVCache.reads_in_place), else their own gathered.
+        self.rows, lengths = token_rows[:n], self.positions[:n]
+        self.in_place = 2 * n >= all_slots
+        self.span = int(lengths.max()) + 1 if n else 0
+        self.offsets = lengths
+        if self.in_place:
+            self.offsets = np.zeros(all_slots, dtype=np.int64)
+            self.offsets[self.rows] = lengths
+            if n == all_slots and (self.rows == np.arange(n)).all():
+                self.rows = None  # every slot, in order: the queries and outputs are the cache's own order
+        self._biases, self._masks = {}, {}
+
+    def bias(self, window):
+        if window not in self._biases:
+            self._biases[window] = decode_bias(self.offsets, self.span, window)
+        return self._biases[window]
+
+    def masks(self, window):
+        """Each piece's SDPA mask, as PackedStep's: None where plain causal attention is the same."""
+        if window not in self._masks:
+            self._masks[window] = [None if start == 0 and (window is None or window >= m)
+                                   else build_mask(m, start + m, torch.tensor([start]), None, "cpu", window)
+                                   for _, start, m, _ in self.pieces]
+        return self._masks[window]
 
 
 def rotation(positions: np.ndarray, inv_freq: np.ndarray, scale: float):
