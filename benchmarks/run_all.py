@@ -5,7 +5,9 @@ naming the commit, the CPU and the load the figures were measured under.
 Each script is also meant to be run on its own with larger settings (see its docstring). The
 ratios are measured within one run, but other processes competing for the cores distort them:
 the table says the load average before and after, so a figure measured under load says so.
-`--no-readme` runs the benchmarks without touching README.md.
+`--no-readme` runs the benchmarks without touching README.md; `--table-only` runs the table's rows
+alone (not the engines, pack, S3 and llama.cpp benchmarks: the last builds llama-cpp-python from
+source on first use, a quarter of an hour on 2 cores).
 """
 
 import json
@@ -164,7 +166,7 @@ def main() -> int:
             results[name] = last_json(out)
     with tempfile.TemporaryDirectory() as tmp:
         llamacpp_json = Path(tmp) / "llamacpp.json"
-        for args in OTHER_RUNS:
+        for args in [] if "--table-only" in sys.argv else OTHER_RUNS:
             if run([a.format(llamacpp_json=llamacpp_json) for a in args]) is None:
                 failed.append(args[0])
         if llamacpp_json.exists():
