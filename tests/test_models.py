@@ -307,12 +307,12 @@ def _same_logits(plain, laid_out, vocab, tol=TOL):
         assert max_diff(nxt[1], nxt[0]) < tol
 
 
-def _random_lora(model_dir, *models):
-    """The same random rank-4 adapter on q/v/o/down applied to each of `models`."""
+def _random_lora(model_dir, *models, targets=("q_proj", "v_proj", "o_proj", "down_proj")):
+    """The same random rank-4 adapter on `targets` (q/v/o/down) applied to each of `models`."""
     from runtime.engines.torch.engine import apply_lora
     from runtime.models.lora import LoraSpec, target_linears
 
-    spec = LoraSpec(4, 8.0, ("q_proj", "v_proj", "o_proj", "down_proj"))
+    spec = LoraSpec(4, 8.0, targets)
     g = torch.Generator().manual_seed(1)
     tensors = {}
     for name, (fan_in, fan_out) in target_linears(model_dir.config, spec.targets).items():

@@ -129,9 +129,9 @@ def test_families_with_their_own_layers_decode_through_their_forward(tmp_path, n
 
 @pytest.mark.parametrize("kernel", ["blas", "packed"])
 def test_an_adapters_updates_are_added_on_numpy(tmp_path, monkeypatch, kernel):
-    """`run --adapter`: a random rank-4 LoRA on q/v/o/down (q and v inside the joined q/k/v GEMM,
-    k not), over the layout's BLAS or packed products; the adapter moves the logits, and the step
-    agrees with the forward through the LoRA wrappers."""
+    """`run --adapter`: a random rank-4 LoRA on q/v/o and the whole MLP (q and v inside the joined
+    q/k/v GEMM, k not; gate and up inside theirs), over the layout's BLAS or packed products; the
+    adapter moves the logits, and the step agrees with the forward through the LoRA wrappers."""
     from tests.test_models import _random_lora
 
     monkeypatch.setenv("SPILLPACK_SMALL_GEMM", "blas")
@@ -141,7 +141,7 @@ def test_an_adapters_updates_are_added_on_numpy(tmp_path, monkeypatch, kernel):
     try:
         model_dir = family_dir(tmp_path, "tiny")
         plain, with_adapter = load_model(model_dir, cpu_inference=True), load_model(model_dir, cpu_inference=True)
-        _random_lora(model_dir, with_adapter)
+        _random_lora(model_dir, with_adapter, targets=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
         steps_agree(with_adapter)
         packed_agree(with_adapter)
         a, b = TorchDecoder(plain, 1, 16), TorchDecoder(with_adapter, 1, 16)

@@ -128,7 +128,7 @@ class _Layer:
         self.down = _product(mlp.down_proj)
         self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.scale, self.window, self.layer_type = attn.scale, attn.window, attn.layer_type
-        self.hidden = mlp.gate_proj.weight.shape[0]
+        self.hidden = _base(mlp.gate_proj).weight.shape[0]
         # Qwen3's per-head norms of q and k as one (heads + kv_heads, head_dim) weight over the joined q/k heads.
         self.qk_norm, self.qk_eps = None, None
         if getattr(attn, "q_norm", None) is not None:
