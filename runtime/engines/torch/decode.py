@@ -120,8 +120,7 @@ class TorchDecoder(PrefixPrefill):
             return self._decode_every_slot(slots, last)
         if self.numpy_step is not None:
             logits = self.numpy_step.decode(slots, last, self.host_lengths[slots])
-            self.host_lengths[slots] += 1
-            self.cache.lengths.numpy()[slots] = self.host_lengths[slots]  # the cache's own memory
+            self._set_lengths(slots, (self.host_lengths[slots] + 1).tolist())
             return self._host(logits)
         n = len(slots)
         rows = self._padded(slots)

@@ -127,6 +127,18 @@ def store(cache: KVCache, layer: int, k, v, index: torch.Tensor) -> None:
     values.index_copy_(0, index, v.reshape(-1, hd))
 
 
+def packed_layout(slots: list[int], lengths: list[int], pieces: list[tuple[int, int, int]]):
+    """A packed step's tokens: one per decoding row (slots, at their lengths), then each piece
+    (slot, start, n) of a prompt from position `start`. Returns the parts (slot, start, n, index of
+    the piece's first token), and each token's slot and position."""
+    rows, positions, parts = list(slots), [int(n) for n in lengths], []
+    for slot, start, n in pieces:
+        parts.append((slot, start, n, len(rows)))
+        rows += [slot] * n
+        positions += range(start, start + n)
+    return parts, rows, positions
+
+
 class PackedStep:
     """One forward whose tokens are packed end to end as one (1, N) sequence, no padding: first one
     token for each decoding row, then the piece of each prompt starting in its slot. A decode step
@@ -142,12 +154,7 @@ class PackedStep:
                  starts: list[int], pieces: list[int], span: int):
         device = cache.k.device
         self.cache, self.decoding, self.span = cache, len(slots), span
-        rows, positions = list(slots), list(lengths)
-        self.parts = []  # (slot, start, tokens, index of its first token in the packed sequence)
-        for slot, start, n in zip(new_slots, starts, pieces):
-            self.parts.append((slot, start, n, len(rows)))
-            rows += [slot] * n
-            positions += range(start, start + n)
+        self.parts, rows, positions = packed_layout(slots, lengths, list(zip(new_slots, starts, pieces)))
         self.rows = torch.tensor(rows, device=device)
         self.positions = torch.tensor(positions, device=device)[None]  # (1, N): rotary positions too
         # Packed token n lands in slot rows[n] at positions[n]: k, v are (1, kv_heads, N, head_dim).

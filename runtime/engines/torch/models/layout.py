@@ -49,7 +49,7 @@ def cpu_inference_layout(model: nn.Module) -> None:
             if blas and hasattr(module, "decode_blas"):
                 module.decode_blas = True  # its decode steps' attention products (attention.decode_attention)
             for names in getattr(module, "joined", ()):
-                bases = [_base(getattr(module, n)) for n in names]
+                bases = [base_linear(getattr(module, n)) for n in names]
                 joined_bases.update(map(id, bases))
                 small = not (packs and sum(b.weight.numel() for b in bases) >= PACK_MIN_WEIGHTS)
                 if small:
@@ -112,7 +112,7 @@ def _free_dense(m: nn.Linear) -> None:
     m.weight = nn.Parameter(torch.empty(m.weight.shape, dtype=m.weight.dtype, device="meta"), requires_grad=False)
 
 
-def _base(m: nn.Module) -> nn.Module:
+def base_linear(m: nn.Module) -> nn.Module:
     return getattr(m, "base", m)  # a LoRA wrapper's frozen linear
 
 
@@ -191,7 +191,7 @@ def _joined(module: nn.Module, bases: list):
 
 def joined_weight(module: nn.Module, names: tuple[str, ...]):
     """(weight, bias) of `module`'s joined linears `names`, as gemm takes them (joined_outputs' one GEMM)."""
-    weight, bias, _ = _joined(module, [_base(module._modules[n]) for n in names])
+    weight, bias, _ = _joined(module, [base_linear(module._modules[n]) for n in names])
     return weight, bias
 
 

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.engines.torch.models.attention import build_mask
+from runtime.engines.torch.models.attention import build_mask, decode_bias, flat_index, packed_layout
 from runtime.engines.torch.models.gemm import BlasLinear, PackedLinear, product
-from runtime.engines.torch.models.layout import joined_weight
+from runtime.engines.torch.models.layout import base_linear as _base, joined_weight
 
 
 def takes(model, k: torch.Tensor) -> bool:
@@ -44,10 +44,6 @@ def takes(model, k: torch.Tensor) -> bool:
             return False
     # Partial rotary (Phi-4-mini) and LongRoPE's switch by length stay with the model's forward.
     return all(r.inv_freq.numel() * 2 == model.args.head_dim and r.long_inv_freq is None for r in model.model.rotary.values())
-
-
-def _base(m: nn.Module) -> nn.Module:
-    return m._modules.get("base", m)  # a LoRA wrapper's frozen linear (engine.LoRALinear), as layout.joined_outputs finds it
 
 
 def _lora(m: nn.Module):
@@ -145,8 +141,6 @@ class NumpyStep:
         self.layers = [_Layer(b) for b in model.model.layers]
         self.norm, self.eps = _np(model.model.norm.weight), model.model.norm.eps
         self.embed = _np(model.model.embed_tokens.weight)  # (vocab, D), however the layout laid it
-        # Each layer type's rotation (a sliding-window layer's may differ): inverse frequencies and scale.
-        self.rotary = {t: (r.inv_freq.numpy(), r.scale) for t, r in model.model.rotary.items()}
         self.k, self.v = k.numpy(), v.numpy()  # (layers, slots, kv_heads, max_len, head_dim): the cache's memory
         layers, slots, kv_heads, max_len, hd = self.k.shape
         # Each layer's keys and values flattened to (slots * kv_heads * max_len, head_dim), for the store.
@@ -164,7 +158,10 @@ class NumpyStep:
         at each piece's last token."""
         plan = _Plan(self, slots, lengths, pieces)
         x = self.embed[tokens]  # (N, D), a copy: the residual stream
-        rotations = {t: rotation(plan.positions, *r) for t, r in self.rotary.items()}
+        # Each layer type's cos and sin (N, 1, head_dim), from the model's own rotary, once per step.
+        positions = torch.from_numpy(plan.positions)[None]
+        rotations = {t: [c.numpy().reshape(len(tokens), 1, -1) for c in r(positions, torch.float32)]
+                     for t, r in self.model.model.rotary.items()}
         with np.errstate(over="ignore"):  # silu's exp(-x) overflows to inf for a large negative x: x / inf is -0, as torch's
             for i, layer in enumerate(self.layers):
                 x = self._block(i, layer, x, *rotations[layer.layer_type], plan)
@@ -243,20 +240,16 @@ class _Plan:
     def __init__(self, step: NumpyStep, slots: list[int], lengths, pieces: list[tuple[int, int, int]]):
         all_slots, kv_heads, max_len = step.k.shape[1], step.k.shape[2], step.k.shape[3]
         self.n = n = len(slots)
-        rows, positions = list(slots), [int(p) for p in lengths]
-        self.pieces = []  # (slot, start, n, index of its first token)
-        for slot, start, m in pieces:
-            self.pieces.append((slot, start, m, len(rows)))
-            rows += [slot] * m
-            positions += range(start, start + m)
-        self.positions = np.asarray(positions, dtype=np.int64)
-        token_rows = np.asarray(rows, dtype=np.int64)
+        self.pieces, rows, positions = packed_layout(slots, lengths, pieces)
+        # On the CPU by name: a caller's default device (meta, in a load) must not take them.
+        token_rows, self.positions = torch.tensor(rows, device="cpu"), torch.tensor(positions, device="cpu")
         # Where each token's key lands in a layer's flattened cache, for every kv head.
-        self.index = ((token_rows[:, None] * kv_heads + np.arange(kv_heads)) * max_len + self.positions[:, None]).reshape(-1)
+        self.index = flat_index(token_rows, self.positions[:, None], kv_heads, max_len).numpy()
+        self.positions = self.positions.numpy()
         self.ends = list(range(n)) + [at + m - 1 for _, _, m, at in self.pieces]
         # The decoding rows' attention: every slot's keys in place with most slots decoding (as
         # KVCache.reads_in_place), else their own gathered.
-        self.rows, lengths = token_rows[:n], self.positions[:n]
+        self.rows, lengths = token_rows[:n].numpy(), self.positions[:n]
         self.in_place = 2 * n >= all_slots
         self.span = int(lengths.max()) + 1 if n else 0
         self.offsets = lengths
@@ -268,34 +261,16 @@ class _Plan:
         self._biases, self._masks = {}, {}
 
     def bias(self, window):
+        """attention.decode_bias over the decoding rows (rows, span): 0 where a key is seen, -inf where not."""
         if window not in self._biases:
-            self._biases[window] = decode_bias(self.offsets, self.span, window)
+            bias = decode_bias(torch.from_numpy(self.offsets), self.span, window, 1, torch.float32)
+            self._biases[window] = bias.numpy().reshape(len(self.offsets), self.span)
         return self._biases[window]
 
     def masks(self, window):
         """Each piece's SDPA mask, as PackedStep's: None where plain causal attention is the same."""
         if window not in self._masks:
             self._masks[window] = [None if start == 0 and (window is None or window >= m)
-                                   else build_mask(m, start + m, torch.tensor([start]), None, "cpu", window)
+                                   else build_mask(m, start + m, torch.tensor([start], device="cpu"), None, "cpu", window)
                                    for _, start, m, _ in self.pieces]
         return self._masks[window]
-
-
-def rotation(positions: np.ndarray, inv_freq: np.ndarray, scale: float):
-    """RotaryEmbedding's cos and sin (n, 1, head_dim) at one position per row, sin signed."""
-    freqs = positions[:, None].astype(np.float32) * inv_freq  # (n, head_dim/2)
-    cos, sin = np.cos(freqs), np.sin(freqs)
-    if scale != 1.0:
-        cos *= scale
-        sin *= scale
-    return np.concatenate([cos, cos], -1)[:, None], np.concatenate([-sin, sin], -1)[:, None]
-
-
-def decode_bias(offsets: np.ndarray, span: int, window: int | None) -> np.ndarray:
-    """attention.decode_bias on numpy: (rows, span) 0 where a row's query at key index offsets[b]
-    sees a key, -inf where not."""
-    k_idx = np.arange(span)[None, :]
-    hidden = k_idx > offsets[:, None]
-    if window is not None:
-        hidden |= k_idx <= offsets[:, None] - window
-    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
