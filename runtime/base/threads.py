@@ -126,29 +126,33 @@ def _positive(value: str, name: str) -> int:
 
 _kept: Threads | None = None
 _width: int | None = None  # the hidden size of the model this process's job runs (for_model)
+_splits_rows = False  # the job is a tune, whose engine splits rows, not ops, across its threads (for_model)
 
 # A model narrower than this runs on one thread whatever is free: its ops are too small to split,
 # and under the passive wait policy every op split across threads also wakes a sleeping one.
 # Measured on a 2-core AMD EPYC (Zen 4), tiny (128 wide), one thread against two: a tune 10.4k
 # against 6.9k tokens/s, `run` of 128 rows 1.97 against 2.79 s in one process, alternating;
-# SmolLM2-135M (576 wide) generated at 7.43 against 7.26 s (even), and a wider model's tune gains
-# from two (oneDNN's large products split well).
+# SmolLM2-135M (576 wide) generated at 7.43 against 7.26 s (even). A tune is exempt: torch-cpu
+# splits its micro-batches by rows across the threads, one thread per op (runtime/engines/torch/
+# row_threads.py: tiny at two row threads, 17.4k tokens/s).
 NARROW_WIDTH = 256
 
 
-def for_model(width: int | None) -> None:
+def for_model(width: int | None, splits_rows: bool = False) -> None:
     """The hidden size of the model the job runs, known before its engine takes up its threads
-    (runtime.core.job.open_engine): a model narrower than NARROW_WIDTH runs on one thread."""
-    global _width
-    _width = width
+    (runtime.core.job.open_engine): a model narrower than NARROW_WIDTH runs on one thread, unless
+    the job splits rows across its threads (`splits_rows`: a tune)."""
+    global _width, _splits_rows
+    _width, _splits_rows = width, splits_rows
 
 
 def keep(history: list[dict], allotted: int, environ=os.environ) -> Threads | None:
     """Use the thread count the job's last torch-cpu process recorded (`history`: the state's
     records, oldest first; an `engine` record carries `threads`), when the user named none and
     this process is allotted at least that many CPUs. Call before the engine is made."""
-    global _kept, _width
+    global _kept, _width, _splits_rows
     _kept = _width = None  # a build's stages are jobs of their own, in one process
+    _splits_rows = False
     if environ.get("OMP_NUM_THREADS") or environ.get("SPILLPACK_THREADS"):
         return None
     ran = [r["threads"] for r in history if r.get("what") == "engine" and r.get("engine") == "torch-cpu"
@@ -164,7 +168,7 @@ def job_threads(allotted: int) -> Threads:
     if _kept is not None:
         return _kept
     t = _chosen(allotted)
-    if _width is not None and _width < NARROW_WIDTH and t.count > 1 and t.why not in ("OMP_NUM_THREADS", "SPILLPACK_THREADS"):
+    if _width is not None and _width < NARROW_WIDTH and not _splits_rows and t.count > 1 and t.why not in ("OMP_NUM_THREADS", "SPILLPACK_THREADS"):
         return Threads(1, f"a model {_width} wide runs on one thread: its ops are too small to split ({t.why})")
     return t
 

@@ -136,7 +136,7 @@ def main(inv, events) -> Outcome:
             plan = plan_tune(job.engine_name, engine, model_dir, spec, data, order, total, o)
         if job.writer:
             job.state.log("plan", **plan.to_dict())
-        job.open_engine(engine, width=model_dir.config.get("hidden_size"))
+        job.open_engine(engine, width=model_dir.config.get("hidden_size"), splits_rows=True)
         latest = job.state.checkpoints.latest(lambda c: tune_checkpoint.agrees(job.state, c)) if job.writer else None
         restored, abandoned = None, False
         resume = init_adapter.resume_of(init, identity) if init is not None and latest is None and job.writer else None

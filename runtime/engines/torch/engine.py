@@ -9,6 +9,8 @@ engine. The device and base dtype are parameters: tests run the CUDA engine's ar
 (bfloat16 and float16 bases) on a CPU.
 """
 
+import threading
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -23,14 +25,16 @@ from runtime.engines.torch.device import PeakMemory, describe, fit_threads, make
 from runtime.engines.torch.loss import target_loss
 from runtime.engines.torch.models import load_checkpoint, load_model, routed_tokens
 from runtime.engines.torch.models.layout import cpu_training_layout
+from runtime.engines.torch.row_threads import RowThreads
 from runtime.engines.torch.optim import AdamW
 from runtime.engines.torch.precision import LossScaler, device_precision, grads_finite, precision_of
 from runtime.engines import OptimSpec
 
 
-class DropoutKeys:
+class DropoutKeys(threading.local):
     """The token keys of the micro-batch being computed (runtime.models.dropout), shared by every
-    LoRA layer of a model; None outside training. A layer recomputed in backward reads the same."""
+    LoRA layer of a model; None outside training. A layer recomputed in backward reads the same.
+    Per thread: row threads (row_threads.py) each compute a part of the micro-batch."""
 
     tokens: torch.Tensor | None = None  # (B, T) int32
 
@@ -115,6 +119,8 @@ class TorchTrainSession:
         # Target positions per chunk of the loss: cross_entropy_in_place holds the float32 logits,
         # and on a 16-bit base the head's output and the gradient handed back to it.
         self.loss_chunk = loss_chunk(self.model.args.vocab_size, 4 if engine.base_dtype == torch.float32 else 8)
+        # On a CPU a micro-batch's rows are split across the job's threads (row_threads.py).
+        self.rows = RowThreads(torch.get_num_threads() if engine.device.type == "cpu" else 1)
 
     @property
     def grad_checkpoint(self) -> bool:
@@ -148,25 +154,55 @@ class TorchTrainSession:
 
     def _accumulate(self, micro_batches, total_targets: int, step: int, scale: float) -> tuple[float, int]:
         loss_sum, tokens, row = 0.0, 0, 0
-        dev = self.engine.device
+        g = scale / total_targets
         for ids, labels, *rows in micro_batches:
             rows = rows[0] if rows else np.arange(row, row + len(ids))  # the rows' places in the step
             row += len(ids)
-            if self.keys is not None:
-                self.keys.tokens = torch.from_numpy(token_keys(self.seed, step, rows, ids.shape[1])).to(dev)
-            ids_t = torch.from_numpy(ids).to(dev)
-            labels_t = torch.from_numpy(labels).to(dev)
-            # Right padding under a causal mask: real tokens never see the pads after them.
-            hidden = self.model.hidden_states(ids_t)  # (B, T, D)
-            keep = labels_t != -100  # (B, T)
-            g = scale / total_targets
-            loss = target_loss(self.model, hidden[keep], labels_t[keep], self.loss_chunk, g)  # only positions with loss
-            (loss * g).backward()
-            loss_sum += float(loss.detach())
+            parts = self.rows.parts(len(ids))
+            if len(parts) == 1:
+                loss = self._loss(ids, labels, rows, step, g, self.loss_chunk)
+                (loss * g).backward()
+                loss_sum += float(loss.detach())
+            else:
+                # Each part's gradients summed in row order, then added as one micro-batch's are.
+                chunk = max(1, self.loss_chunk // len(parts))
+                done = self.rows.map(lambda s: self._grads(ids[s], labels[s], rows[s], step, g, chunk), parts)
+                with torch.no_grad():
+                    for i, n in enumerate(self.names):
+                        grads = [d[1][i] for d in done if d[1][i] is not None]
+                        if not grads:
+                            continue
+                        total = grads[0]
+                        for x in grads[1:]:
+                            total = total + x
+                        p = self.params[n]
+                        p.grad = total if p.grad is None else p.grad.add_(total)
+                loss_sum += sum(d[0] for d in done)
             tokens += int(ids.size)
         if self.keys is not None:
             self.keys.tokens = None
         return loss_sum, tokens
+
+    def _loss(self, ids, labels, rows, step: int, g: float, chunk: int) -> torch.Tensor:
+        """The summed loss of these rows, its graph kept for backward."""
+        dev = self.engine.device
+        if self.keys is not None:  # this thread's, until its backward is over (a recomputed layer reads them)
+            self.keys.tokens = torch.from_numpy(token_keys(self.seed, step, rows, ids.shape[1])).to(dev)
+        labels_t = torch.from_numpy(labels).to(dev)
+        # Right padding under a causal mask: real tokens never see the pads after them.
+        hidden = self.model.hidden_states(torch.from_numpy(ids).to(dev))  # (B, T, D)
+        keep = labels_t != -100  # (B, T)
+        return target_loss(self.model, hidden[keep], labels_t[keep], chunk, g)  # only positions with loss
+
+    def _grads(self, ids, labels, rows, step: int, g: float, chunk: int) -> tuple[float, tuple]:
+        """A part's loss and its gradients for the LoRA parameters (in self.names' order), taken by
+        the thread that computes the part and returned, not accumulated."""
+        try:
+            loss = self._loss(ids, labels, rows, step, g, chunk)
+            return float(loss.detach()), torch.autograd.grad(loss * g, [self.params[n] for n in self.names], allow_unused=True)
+        finally:
+            if self.keys is not None:
+                self.keys.tokens = None
 
     def evaluate(self, micro_batches) -> tuple[float, int]:
         """The summed cross-entropy and the target count of held-out rows: forward only, no
