@@ -216,6 +216,9 @@ def main():
                     help="one side only (benchmarks/compare.py runs the spillpack side on two trees)")
     ap.add_argument("--json", action="store_true", help="one JSON line per side instead of the text report")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of both sides; each side's median round is reported")
+    ap.add_argument("--peer-threads", choices=["best", "same"], default="best",
+                    help="best: the peer at spillpack's thread count and at one thread, its faster the ratio's (a narrow "
+                         "model's ops run slower split); same: at spillpack's count only (a wide model's GEMMs split well)")
     a = ap.parse_args()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -234,7 +237,7 @@ def main():
         ours_runs.append(spillpack_side(model, data, a))
         # The peer at spillpack's thread count and at one thread: its best is the figure (a small
         # model's ops run slower split across threads, and a plain script could pin one).
-        for n in sorted({ours_runs[-1].get("threads") or 1, 1}):
+        for n in sorted({ours_runs[-1].get("threads") or 1, *([1] if a.peer_threads == "best" else [])}):
             peer_runs.setdefault(n, []).append({**peer_side(model, data, a, n), "threads": n})
         if a.rounds > 1:
             print(f"  round {r + 1}: spillpack {ours_runs[-1]['tokens_per_s']:.1f} tokens/s, transformers + PEFT "

