@@ -101,3 +101,15 @@ def test_a_narrow_models_tune_on_two_threads_stops_and_resumes_bit_identical(hom
     assert one.returncode == 0, one.stderr
     other = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))  # one thread: the same within rounding
     assert all(np.allclose(other[k], want[k], rtol=1e-3, atol=1e-6) for k in want)
+
+
+def test_a_held_out_pass_split_by_rows_gives_one_threads_loss_and_the_same_bits_each_time(home):
+    torch.set_num_threads(1)
+    losses = {}
+    for threads in (1, 3, 3):
+        session, batches, targets = _session(threads)
+        losses.setdefault(threads, []).append(session.evaluate(batches))
+        assert all(p.grad is None for p in session.params.values())  # forward only
+    (one,), (three, again) = losses[1], losses[3]
+    assert three[1] == one[1] == sum(int((labels != -100).sum()) for _, labels in batches)
+    assert abs(three[0] - one[0]) <= 1e-5 * abs(one[0]) and three == again

@@ -210,19 +210,25 @@ class TorchTrainSession:
         was = self.model.training
         self.model.train(False)
         loss_sum, targets = 0.0, 0
-        dev = self.engine.device
         try:
-            with torch.no_grad():
-                for ids, labels in micro_batches:
-                    labels_t = torch.from_numpy(labels).to(dev)
-                    hidden = self.model.hidden_states(torch.from_numpy(ids).to(dev))  # (B, T, D)
-                    keep = labels_t != -100
-                    h, y = hidden[keep], labels_t[keep]  # (N, D), (N,)
-                    loss_sum += float(target_loss(self.model, h, y, self.loss_chunk))  # chunked inside, no graph kept
-                    targets += int(y.shape[0])
+            for ids, labels in micro_batches:
+                parts = self.rows.parts(len(ids))  # split by rows as a step is (row_threads.py)
+                chunk = max(1, self.loss_chunk // len(parts))
+                for loss, n in self.rows.map(lambda s: self._held_out(ids[s], labels[s], chunk), parts):
+                    loss_sum += loss
+                    targets += n
         finally:
             self.model.train(was)
         return loss_sum, targets
+
+    def _held_out(self, ids, labels, chunk: int) -> tuple[float, int]:
+        dev = self.engine.device
+        with torch.no_grad():  # per thread, as torch's grad mode is
+            labels_t = torch.from_numpy(labels).to(dev)
+            hidden = self.model.hidden_states(torch.from_numpy(ids).to(dev))  # (B, T, D)
+            keep = labels_t != -100
+            h, y = hidden[keep], labels_t[keep]  # (N, D), (N,)
+            return float(target_loss(self.model, h, y, chunk)), int(y.shape[0])  # chunked inside, no graph kept
 
     def _optimizer_state(self, p, step: float = 0.0, exp_avg=None, exp_avg_sq=None) -> None:
         """AdamW's state, as torch.optim.AdamW would make it lazily (step on the CPU, moments
