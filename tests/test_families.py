@@ -191,14 +191,20 @@ def test_four_step_adapter_loads_in_peft_with_the_same_logits(family, name, tmp_
     pm.unload()  # the session-shared HF model gets its plain linears back
 
 
+@pytest.mark.parametrize("rows", [1, 2], ids=["one-thread", "row-threads"])
 @pytest.mark.parametrize("name", NAMES)
-def test_lora_gradients_match_peft(family, name):
+def test_lora_gradients_match_peft(family, name, rows):
+    """Also with the batch's 3 rows split across 2 threads (runtime/engines/torch/row_threads.py):
+    each family's per-thread state (an MoE's routed tokens, a window's masks) kept apart."""
+    from runtime.engines.torch.row_threads import RowThreads
+
     md, hf = family(name)
     spec = LoraSpec(rank=4, alpha=8.0, targets=peft_targets(md))
     tensors = random_lora(md.config, spec)
     ids, labels = train_batch(1)
     n = int((labels != -100).sum())
     session = get_engine("torch-cpu").train_session(md, spec, tensors, OptimSpec())
+    session.rows = RowThreads(rows)
     session.forward_backward([(ids, labels)], n)
     ours = {k: session.params[k].grad.detach().clone() for k in session.names}
 

@@ -3,7 +3,9 @@ the gradients those of one thread within float32 rounding, bit-identical from ru
 same count (with dropout and with checkpointing too), a worker's error raised in the caller, and
 end to end a narrow model's tune on two threads that stops and resumes bit-identical."""
 
+import gc
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -59,6 +61,7 @@ def test_rows_on_threads_give_one_threads_gradients_and_the_same_bits_each_time(
 def test_a_parts_error_is_raised_in_the_caller_and_the_thread_count_restored():
     from runtime.engines.torch.row_threads import RowThreads
 
+    running = set(threading.enumerate())
     rows = RowThreads(2)
     assert rows.parts(5) == [slice(0, 3), slice(3, 5)] and rows.parts(1) == [slice(0, 1)]
     before = torch.get_num_threads()
@@ -72,6 +75,12 @@ def test_a_parts_error_is_raised_in_the_caller_and_the_thread_count_restored():
         rows.map(part, [0, 1])
     assert torch.get_num_threads() == before
     assert rows.map(part, [0, 2]) == [(0, 1), (2, 1)]  # both parts ran with one thread per op
+    workers = [t for t in set(threading.enumerate()) - running if t.name.startswith("spillpack-rows-")]
+    assert len(workers) == 1
+    del rows
+    gc.collect()
+    workers[0].join(timeout=10)
+    assert not workers[0].is_alive()  # the worker ends with its RowThreads
 
 
 def test_a_narrow_models_tune_on_two_threads_stops_and_resumes_bit_identical(home, tmp_path):

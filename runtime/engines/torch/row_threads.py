@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -44,12 +45,19 @@ def _serve(tasks: queue.SimpleQueue) -> None:
     torch.set_num_threads(1)  # this thread's OpenMP team: one thread per op, from its first op on
     while True:
         task = tasks.get()
+        if task is None:  # its RowThreads is gone (a session's end)
+            return
         try:
             task.result = task.fn(task.arg)
         except BaseException as e:  # handed to the calling thread, which raises it
             task.error = e
         finally:
             task.done.set()
+
+
+def _stop(queues: list) -> None:
+    for q in queues:
+        q.put(None)
 
 
 class RowThreads:
@@ -59,6 +67,10 @@ class RowThreads:
     def __init__(self, count: int):
         self.count = max(1, int(count))
         self._queues: list[queue.SimpleQueue] = []
+        # The workers end with this object (a build's stages each make a session of their own).
+        # Not at the interpreter's exit: a thread that ends while the process finalizes aborts it
+        # (std::terminate in a thread-local destructor); daemon threads are left to the exit.
+        weakref.finalize(self, _stop, self._queues).atexit = False
 
     def parts(self, rows: int) -> list[slice]:
         """The micro-batch's rows in min(count, rows) contiguous parts, the larger ones first."""
