@@ -170,13 +170,9 @@ class TorchTrainSession:
                 with torch.no_grad():
                     for i, n in enumerate(self.names):
                         grads = [d[1][i] for d in done if d[1][i] is not None]
-                        if not grads:
-                            continue
-                        total = grads[0]
-                        for x in grads[1:]:
-                            total = total + x
-                        p = self.params[n]
-                        p.grad = total if p.grad is None else p.grad.add_(total)
+                        if grads:
+                            total, p = sum(grads[1:], grads[0]), self.params[n]
+                            p.grad = total if p.grad is None else p.grad.add_(total)
                 loss_sum += sum(d[0] for d in done)
             tokens += int(ids.size)
         if self.keys is not None:
@@ -184,9 +180,10 @@ class TorchTrainSession:
         return loss_sum, tokens
 
     def _loss(self, ids, labels, rows, step: int, g: float, chunk: int) -> torch.Tensor:
-        """The summed loss of these rows, its graph kept for backward."""
+        """The summed loss of these rows, its graph kept for backward where grad is enabled. `rows`:
+        their places in the step, which key LoRA dropout's masks (None: a held-out pass, no dropout)."""
         dev = self.engine.device
-        if self.keys is not None:  # this thread's, until its backward is over (a recomputed layer reads them)
+        if self.keys is not None and rows is not None:  # this thread's, until its backward is over (a recomputed layer reads them)
             self.keys.tokens = torch.from_numpy(token_keys(self.seed, step, rows, ids.shape[1])).to(dev)
         labels_t = torch.from_numpy(labels).to(dev)
         # Right padding under a causal mask: real tokens never see the pads after them.
@@ -222,13 +219,8 @@ class TorchTrainSession:
         return loss_sum, targets
 
     def _held_out(self, ids, labels, chunk: int) -> tuple[float, int]:
-        dev = self.engine.device
-        with torch.no_grad():  # per thread, as torch's grad mode is
-            labels_t = torch.from_numpy(labels).to(dev)
-            hidden = self.model.hidden_states(torch.from_numpy(ids).to(dev))  # (B, T, D)
-            keep = labels_t != -100
-            h, y = hidden[keep], labels_t[keep]  # (N, D), (N,)
-            return float(target_loss(self.model, h, y, chunk)), int(y.shape[0])  # chunked inside, no graph kept
+        with torch.no_grad():  # per thread, as torch's grad mode is: no graph kept
+            return float(self._loss(ids, labels, None, 0, 1.0, chunk)), int((labels != -100).sum())
 
     def _optimizer_state(self, p, step: float = 0.0, exp_avg=None, exp_avg_sq=None) -> None:
         """AdamW's state, as torch.optim.AdamW would make it lazily (step on the CPU, moments

@@ -62,7 +62,8 @@ def _stop(queues: list) -> None:
 
 class RowThreads:
     """`count` threads for a micro-batch's rows: the calling thread and count - 1 workers, started
-    at the first split."""
+    at the first split. Not concurrent.futures' pool: its threads are joined at the interpreter's
+    exit, so a stop's exit 75 would wait for a worker's part, past a short grace."""
 
     def __init__(self, count: int):
         self.count = max(1, int(count))
