@@ -313,15 +313,15 @@ def run_spillpack(model: Path, rows: Path, batch: int, threads: int, max_tokens:
 
 @functools.cache
 def torch_import_rss() -> int:
-    """Peak RSS of a process that imports torch and nothing else, in bytes: issue 30's 'torch's own
-    import footprint' (its 224 MB figure was this, interpreter included)."""
+    """Peak RSS of a process that imports torch and nothing else, in bytes: the memory budget's
+    'torch's own import footprint' (interpreter included)."""
     out = subprocess.run([sys.executable, "-c", "import torch, resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
                          capture_output=True, text=True, check=True).stdout
     return int(out) * 1024
 
 
 def budget(plan: dict) -> int | None:
-    """Issue 30's memory budget for a run: torch's import + 1.25 x the weights in the compute dtype + the
+    """The memory budget for a run: torch's import + 1.25 x the weights in the compute dtype + the
     KV cache the plan counted (GB in the plan are 2**30 bytes)."""
     if "weights_gb" not in plan:
         return None

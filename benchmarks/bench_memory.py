@@ -3,7 +3,7 @@ while loading weights, the planner's prediction beside each measured peak, and t
 table of what fits where.
 
     python benchmarks/bench_memory.py --shape qwen2.5-0.5b --rows 4 --words 420 --steps 2
-    python benchmarks/bench_memory.py --table          # planned, not measured: README's table
+    python benchmarks/bench_memory.py --table          # planned, not measured: what fits where
 
 Each tune runs in its own process (peak RSS is the process's ru_maxrss, what the step events
 report as peak_mem_gb), torch pinned to --threads threads, one after the other.

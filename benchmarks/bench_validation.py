@@ -2,7 +2,7 @@
 user runs it: `tune --val-fraction F --eval-every N`, read from its own events.
 
 For each eval: cost = its seconds / the seconds of the N steps before it, share = its held-out
-tokens / the training tokens of those N steps. The promise (issue 29): cost <= share + 10%
+tokens / the training tokens of those N steps. The promise: cost <= share + 10%
 of share. A training step runs forward and backward; the held-out pass forward only, so the
 cost is expected well under the share.
 

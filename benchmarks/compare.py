@@ -1,6 +1,6 @@
 """One benchmark on two trees of spillpack, side by side in one run: the guard against the next regression.
 
-    python benchmarks/compare.py 1c40608 HEAD                       # tune, Qwen2.5-0.5B shape, 3 steps
+    python benchmarks/compare.py HEAD~20 HEAD                       # tune, Qwen2.5-0.5B shape, 3 steps
     python benchmarks/compare.py HEAD~5 HEAD --rounds 3 -- --shape tiny --steps 30
     python benchmarks/compare.py HEAD . --bench run -- --model tiny --prompts 64 --stop mixed --threads 1
 

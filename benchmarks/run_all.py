@@ -1,13 +1,13 @@
-"""`make bench`: every side-by-side benchmark at its quick setting, one after the other, and the
-README's performance table regenerated from their figures (between the `perf-table` markers),
-naming the commit, the CPU and the load the figures were measured under.
+"""`make bench`: every side-by-side benchmark at its quick setting, one after the other, and
+docs/benchmarks.md rewritten from their figures (benchmarks/report.py): this machine's table,
+named by its CPU, its flags that matter and its CPU count, keeps the other machines' tables.
 
 Each script is also meant to be run on its own with larger settings (see its docstring). The
 ratios are measured within one run, but other processes competing for the cores distort them:
-the table says the load average before and after, so a figure measured under load says so.
-`--no-readme` runs the benchmarks without touching README.md; `--table-only` runs the table's rows
-alone (not the engines, pack, S3 and llama.cpp benchmarks: the last builds llama-cpp-python from
-source on first use, a quarter of an hour on 2 cores).
+each row records the load average around it. `--no-doc` runs without touching the docs;
+`--table-only` runs the table's rows alone (not the engines, pack and S3 benchmarks, nor the
+llama.cpp one, which builds llama-cpp-python from source on first use, a quarter of an hour on 2
+cores); `--only NAME...` runs the named rows of TABLE_RUNS (and `llama.cpp`) alone.
 """
 
 import json
@@ -19,8 +19,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-README = REPO / "README.md"
-START, END = "<!-- perf-table: written by `make bench` (benchmarks/run_all.py) -->", "<!-- /perf-table -->"
 TABLE_RUNS = {  # the table's rows: JSON-reporting benchmarks
     # Alternating rounds, each side's median: this kind of host swings by 1.5x within minutes.
     "tune tiny": ["bench_tune.py", "--shape", "tiny", "--steps", "20", "--rounds", "3", "--json"],
@@ -83,101 +81,91 @@ def last_json(out: str) -> dict:
         return json.loads(out[out.index("{"):])
 
 
-def machine() -> str:
-    sys.path.insert(0, str(REPO))
-    from runtime.base.place import cpu_model
-
-    try:
-        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        flags = set()
-    native = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-    return f"{cpu_model()}, {os.cpu_count()} CPUs" + (f" ({', '.join(native)})" if native else "")
+def load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
 
 
-def rows(results: dict) -> list[str]:
-    out = ["| workload | spillpack | peer, same run | ratio |", "|---|---|---|---|"]
-    for key, label in (("tune tiny", "--shape tiny --steps 20"), ("tune 0.5B", "--shape qwen2.5-0.5b --batch 4 (dtype auto)"),
-                       ("tune 0.5B float32", "--shape qwen2.5-0.5b --batch 4 --dtype float32"),
-                       ("tune 0.5B bfloat16", "--shape qwen2.5-0.5b --batch 4 --dtype bfloat16"),
-                       ("tune smollm2", "--shape smollm2 --steps 5 --batch 4 --dtype float32")):
-        t = results.get(key)
-        if t:
-            sp, peer = t["spillpack"], t["peer"]
-            dtypes = f" ({sp.get('dtype', '?')} / {peer.get('dtype', '?')}"
-            if sp.get("rounds"):
-                dtypes += f"; median of {len(sp['rounds'])} alternating rounds: {sp['rounds']} / {peer['rounds']} tokens/s"
-            dtypes += ")"
-            out.append(f"| `bench_tune.py {label}`{dtypes} | {sp['tokens_per_s']:.1f} tokens/s, {sp['peak_rss_gb']:.2f} GB"
-                       + (f", {sp['rate_fraction']:.0%} of the measured matmul rate" if sp.get("rate_fraction") else "")
-                       + f" | transformers + PEFT {peer['tokens_per_s']:.1f} tokens/s, {peer['peak_rss_gb']:.2f} GB "
-                       f"| {t['speed_ratio']:.2f}x speed, {t['memory_ratio']:.2f}x memory |")
-    for key in ("run tiny mixed", "run tiny length", "run smollm2 mixed", "run smollm2 length", "run tiny mixed, default threads",
-                "run smollm2 mixed, default threads"):
-        r = results.get(key)
-        if r:
-            rounds = r.get("rounds")
-            label = f" (median of {len(rounds['ratios'])} alternating rounds, ratios {rounds['ratios']})" if rounds else ""
-            threads = " (each side's default threads)" if key.endswith("default threads") else " --threads 1"
-            out.append(f"| `bench_run.py --model {r['model']} --prompts {r['prompts']} --stop {r['stop']}{threads}`{label} | "
-                       f"{r['spillpack']['tokens_per_s']:.0f} tokens/s | generate {r['transformers']['tokens_per_s']:.0f} tokens/s | "
-                       f"{r['ratio']:.2f}x, {r['token_identical_rows']} rows identical |")
-    s = results.get("shared cores")
-    if s:
-        for kind in ("run", "tune"):
-            if kind in s:
-                k = s[kind]
-                out.append(f"| `bench_shared.py`: {kind} on tiny, one CPU held by a busy loop | default {k['default']:.1f} tokens/s | "
-                           f"best setting ({k['best_setting']}) {k['best']:.1f} tokens/s | {k['ratio']:.2f}x of best |")
-    for r in (results.get("llama.cpp") or {}).get("results", []):
-        if r["side"] != "spillpack":
-            continue
-        ref = next((x for x in results["llama.cpp"]["results"] if x["side"] == "llama.cpp" and x["file"] == "Q4_1"
+def tune_row(r: dict, label: str, ld: str) -> dict:
+    sp, peer = r["spillpack"], r["peer"]
+    return {"command": f"bench_tune.py {label}", "dtype": f"{sp.get('dtype', '?')} / {peer.get('dtype', '?')}",
+            "threads": f"{sp.get('threads', '?')} / {peer.get('threads', '?')}",
+            "ours": f"{sp['tokens_per_s']:.1f} tokens/s, {sp['peak_rss_gb']:.2f} GB",
+            "peer": f"{peer['tokens_per_s']:.1f} tokens/s, {peer['peak_rss_gb']:.2f} GB", "peer_name": "transformers + PEFT",
+            "ratio": round(r["speed_ratio"], 2), "load": ld}
+
+
+def run_row(r: dict, label: str, ld: str) -> dict:
+    return {"command": f"bench_run.py {label}", "dtype": r.get("dtype", "auto / float32"), "threads": r.get("threads"),
+            "ours": f"{r['spillpack']['tokens_per_s']:.0f} tokens/s, {r['token_identical_rows']} rows identical",
+            "peer": f"{r['transformers']['tokens_per_s']:.0f} tokens/s", "peer_name": "transformers generate",
+            "ratio": r["ratio"], "load": ld}
+
+
+def shared_rows(r: dict, ld: str) -> list[dict]:
+    return [{"command": f"bench_shared.py: {kind} on tiny, one CPU held by a busy loop", "dtype": "float32",
+             "threads": "default", "ours": f"{k['default']:.1f} tokens/s", "peer": f"{k['best']:.1f} tokens/s",
+             "peer_name": f"best fixed setting ({k['best_setting']})", "ratio": round(k["ratio"], 2), "load": ld}
+            for kind, k in r.items() if kind in ("run", "tune")]
+
+
+def llamacpp_rows(data: dict, ld: str) -> list[dict]:
+    out = []
+    for r in (x for x in data["results"] if x["side"] == "spillpack"):
+        ref = next((x for x in data["results"] if x["side"] == "llama.cpp" and x["file"] == "Q4_1"
                     and x["rows"] == r["rows"] and x["round"] == r["round"]), None)
         if ref:
-            out.append(f"| `bench_llamacpp.py`: run SmolLM2-135M-Instruct Q4_1 GGUF, {r['rows']} rows, --batch {r['batch']} "
-                       f"({r.get('dtype')}) | {r['tokens_per_s']:.1f} tokens/s, {r['peak_rss'] / 2**20:.0f} MiB"
-                       + (f" (budget {r['budget'] / 2**20:.0f})" if r.get("budget") else "") + " | llama.cpp on the "
-                       f"same file, one stream: {ref['tokens_per_s']:.1f} tokens/s, {ref['peak_rss'] / 2**20:.0f} MiB | "
-                       f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x speed, {r['peak_rss'] / ref['peak_rss']:.2f}x memory |")
+            out.append({"command": f"bench_llamacpp.py: run SmolLM2-135M-Instruct Q4_1 GGUF, {r['rows']} rows, --batch {r['batch']}",
+                        "dtype": r.get("dtype"), "threads": data["args"]["threads"],
+                        "ours": f"{r['tokens_per_s']:.1f} tokens/s, {r['peak_rss'] / 2**20:.0f} MiB",
+                        "peer": f"{ref['tokens_per_s']:.1f} tokens/s, {ref['peak_rss'] / 2**20:.0f} MiB",
+                        "peer_name": "llama.cpp, same file", "ratio": round(r["tokens_per_s"] / ref["tokens_per_s"], 2), "load": ld})
     return out
 
 
-def write_readme(results: dict, load_before: float, load_after: float) -> None:
-    commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
-    head = (f"Measured by `make bench` at commit {commit} on {machine()}, load average {load_before:.1f} before and "
-            f"{load_after:.1f} after" + (" (measured under load: other processes shared the cores)" if max(load_before, load_after) > 1.5 else "")
-            + ".")
-    if bf16_emulated():
-        head += (" This CPU emulates bfloat16, so `auto` is float32 and the tune rows in bfloat16 are not run.")
-    block = "\n".join([START, head, "", *rows(results), END])
-    text = README.read_text()
-    if START in text and END in text:
-        text = text[:text.index(START)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    README.write_text(text)
-    print(f"\nREADME.md performance table written ({commit})")
+def to_rows(name: str, args: list[str], r: dict, ld: str) -> list[dict]:
+    """A benchmark's JSON report as rows of docs/benchmarks.md: scripts that print {"rows": [...]}
+    are taken as they are, the older reports converted."""
+    if "rows" in r and isinstance(r["rows"], list):
+        return [{**row, "load": row.get("load", ld)} for row in r["rows"]]
+    label = " ".join(a for a in args[1:] if a not in ("--json",))
+    if r.get("bench") == "tune":
+        return [tune_row(r, label, ld)]
+    if r.get("bench") == "shared":
+        return shared_rows(r, ld)
+    if "transformers" in r:
+        return [run_row(r, label, ld)]
+    return []
 
 
 def main() -> int:
-    failed, results = [], {}
-    load_before = os.getloadavg()[0]
+    sys.path.insert(0, str(REPO))
+    import report
+
+    only = sys.argv[sys.argv.index("--only") + 1:] if "--only" in sys.argv else None
+    failed, rows = [], []
     for name, args in table_runs().items():
+        if only is not None and name not in only:
+            continue
+        before = load()
         out = run(args)
         if out is None:
             failed.append(args[0])
         else:
-            results[name] = last_json(out)
+            rows += to_rows(name, args, last_json(out), f"{before} -> {load()}")
     with tempfile.TemporaryDirectory() as tmp:
         llamacpp_json = Path(tmp) / "llamacpp.json"
-        for args in [] if "--table-only" in sys.argv else OTHER_RUNS:
-            if run([a.format(llamacpp_json=llamacpp_json) for a in args]) is None:
+        others = [] if "--table-only" in sys.argv else OTHER_RUNS
+        for args in (a for a in others if only is None or (a[0] == "bench_llamacpp.py" and "llama.cpp" in only)):
+            before = load()
+            out = run([a.format(llamacpp_json=llamacpp_json) for a in args])
+            if out is None:
                 failed.append(args[0])
-        if llamacpp_json.exists():
-            results["llama.cpp"] = json.loads(llamacpp_json.read_text())
-    if "--no-readme" not in sys.argv and results:
-        write_readme(results, load_before, os.getloadavg()[0])
+            elif llamacpp_json.exists() and args[0] == "bench_llamacpp.py":
+                rows += llamacpp_rows(json.loads(llamacpp_json.read_text()), f"{before} -> {load()}")
+    if "--no-doc" not in sys.argv and rows:
+        path = report.record(rows)
+        report.write()
+        print(f"\n{len(rows)} rows recorded in {path.relative_to(REPO)}; docs/benchmarks.md written")
     if failed:
         print(f"\nfailed: {', '.join(failed)}")
     return 1 if failed else 0

@@ -2,7 +2,7 @@
 transformers' apply_chat_template renders them, and the assistant-only loss mask for each.
 
 The templates are written here, in the style of each family's own, each using the features
-issue 14 lists: Qwen3's enable_thinking, namespace, reversed messages, string methods
+real templates rely on: Qwen3's enable_thinking, namespace, reversed messages, string methods
 (startswith, split, strip) and tojson; Gemma's system folded into the first user turn and
 raise_exception; Phi's and Mistral's turn markers (Mistral's system prompt on the last user
 turn, Phi's eos after a finished conversation).

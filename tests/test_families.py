@@ -1,4 +1,4 @@
-"""The model families of issue 14 (Qwen3, Qwen3 with a sliding window, Mistral with a sliding
+"""The model families (Qwen3, Qwen3 with a sliding window, Mistral with a sliding
 window, Phi-3 with partial rotary, Gemma 3 text, Qwen3-MoE) held to transformers on random
 small configs made with transformers' own config classes: logits of padded batches and
 through the KV cache with continuous batching, greedy generation against `generate`, on torch

@@ -1,4 +1,4 @@
-"""Hostile files (issue 23): files that lie about themselves (a model's config.json, its chat
+"""Hostile files: files that lie about themselves (a model's config.json, its chat
 template, its safetensors headers), outputs that would replace what exists, an edited bundle,
 run.sh through a link, and pack under SIGTERM or on a full disk. Real files, the tiny model,
 the CLI in subprocesses; the model checks also in-process where a subprocess adds nothing."""

@@ -1,13 +1,6 @@
 """Hostile input against jobs and their state: each test is named by the behaviour it checks
 and runs the CLI as a user does (a subprocess on the tiny model, real files, real FIFOs, real
 mounts where a disk must be full or read-only). The pack side is tests/test_hostile_pack.py.
-
-Run against 1c40608, the code these were written against, every test here fails on the
-behaviour it names, but test_an_unreachable_s3_endpoint_is_one_line: a regression guard
-(that code gave the one line, only after 24-43 s; the attempt-counting test holds the
-time). Tests that import today's modules (the piece-bound unit test, the S3 memory probe, the
-attempt count) fail there on the import; run by hand with that code's module names, the S3
-read held 72 MiB of a 64 MiB object (20 MiB now) and the endpoint took 20 attempts (8 now).
 """
 
 import ast

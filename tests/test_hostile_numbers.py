@@ -1,4 +1,4 @@
-"""Hostile numbers (issue 23): counts that would hang before the job starts or overflow what the
+"""Hostile numbers: counts that would hang before the job starts or overflow what the
 state records, and a stop during start-up, whatever the numbers.
 
 The property-style pass enumerates every numeric option of every job command from the option

@@ -1,4 +1,4 @@
-"""The pack side tried as a hostile user would (issue 12, items 1, 2, 3, 5, 6, 18).
+"""The pack side tried as a hostile user would.
 
 A bundle is a program someone else's cluster executes, so every value written into run.sh,
 the sbatch script and the YAML goes through a real quoting function, `pack build` copies only

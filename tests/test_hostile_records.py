@@ -1,4 +1,4 @@
-"""Hostile records (issue 23): a job's state, config and data edited by hand or written by
+"""Hostile records: a job's state, config and data edited by hand or written by
 something else. Each test runs the CLI as a user does, on the tiny model and real files."""
 
 import json

@@ -179,7 +179,7 @@ def test_corrupt_safetensors(tmp_path):
 
 
 def test_truncated_safetensors_is_refused_before_load(tmp_path):
-    """The header is checked against the file first (issue 23): a cut file is refused when the
+    """The header is checked against the file first: a cut file is refused when the
     model is resolved, before any tensor is read."""
     d = copy_tiny(tmp_path / "m")
     data = (d / "model.safetensors").read_bytes()

@@ -95,7 +95,7 @@ def _randomize(model) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
-# -- the families of issue 14: small random configs from transformers' own config classes ----
+# -- the supported families: small random configs from transformers' own config classes ----
 
 FAMILY_SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     max_position_embeddings=256)

