@@ -23,12 +23,15 @@ from runtime.base.threads import quiet_openmp
 from runtime.base.signals import Abandon, install_process_handler
 from runtime.base.errors import EXIT_PREEMPTED, SpillpackError, UsageError, from_os_error, redact
 
-# command -> (module, help). Imported only when the command runs: --help stays fast.
+# command -> (module, help, example). Imported only when the command runs: --help stays fast. The
+# examples are docs/commands.md's, which run as written on `tiny` from the repository's root.
 OTHER_COMMANDS = {
-    "doctor": ("runtime.commands.doctor", "this machine: Python, engines, memory, disk"),
-    "export": ("runtime.commands.export", "a tune's result as GGUF: the merged model (llama.cpp, Ollama) or the LoRA adapter"),
-    "resume": ("runtime.commands.resume", "continue an interrupted job from its state, bundle or config"),
-    "status": ("runtime.commands.status", "the story of a job from its state: processes, checkpoints, interruptions"),
+    "doctor": ("runtime.commands.doctor", "this machine: Python, engines, memory, disk", "spillpack doctor --no-measure"),
+    "export": ("runtime.commands.export", "a tune's result as GGUF: the merged model (llama.cpp, Ollama) or the LoRA adapter",
+               "spillpack export mine --gguf mine.gguf --type q8_0 --gguf-adapter mine-lora.gguf"),
+    "resume": ("runtime.commands.resume", "continue an interrupted job from its state, bundle or config", "spillpack resume mine"),
+    "status": ("runtime.commands.status", "the story of a job from its state: processes, checkpoints, interruptions",
+               "spillpack status mine"),
 }
 
 
@@ -49,15 +52,25 @@ def _add_option(p: argparse.ArgumentParser, opt) -> None:
 
 
 def build_parser(extra: dict | None = None) -> argparse.ArgumentParser:
-    parser = _Parser(prog="spillpack", description="Pack an LLM job into one directory that runs anywhere and survives preemption.")
+    others = {**OTHER_COMMANDS, **(extra or {})}
+    examples = {**{name: spec.example for name, spec in COMMANDS.items()}, **{name: o[2] for name, o in others.items()}}
+    parser = _Parser(prog="spillpack", description="Pack an LLM job into one directory that runs anywhere and survives preemption.",
+                     epilog="examples:\n" + "\n".join(f"  {line}" for line in examples.values())
+                     + "\n\n`spillpack COMMAND --help` lists a command's options.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"spillpack {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {examples[name]}",
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
     for name, spec in COMMANDS.items():
-        p = sub.add_parser(name, help=spec.help, description=spec.help)
+        p = command(name, spec.help)
         for opt in options_for(name):
             _add_option(p, opt)
-    for name, (module, help_) in {**OTHER_COMMANDS, **(extra or {})}.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+    for name, (module, help_, _) in others.items():
+        p = command(name, help_)
         importlib.import_module(module).add_arguments(p)
         p.add_argument("--debug", action="store_true", help="show tracebacks")
         p.add_argument("--headless", action="store_true", help="JSON on stdout")

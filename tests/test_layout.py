@@ -77,6 +77,22 @@ def test_the_layer_check_sees_an_upward_import_even_inside_a_function():
         "runtime.models.arch -> runtime.engines.torch.models.llama (models imports engines")
 
 
+def framework_reaches(g: dict[str, set[str]], folder: str) -> list[str]:
+    """Imports from runtime/<folder>/ into one framework's engine (runtime.engines.torch / .mlx)."""
+    return sorted(f"{m} -> {d}" for m, deps in g.items() if m.startswith(f"runtime.{folder}.")
+                  for d in deps if d.startswith(("runtime.engines.torch", "runtime.engines.mlx")))
+
+
+def test_the_job_core_reaches_an_engine_only_through_the_registry():
+    """core/ is framework-free: an engine, its process group and its group launcher are looked up
+    by name in runtime/engines/registry.py, never imported from a framework's folder, not even
+    inside a function."""
+    assert framework_reaches(graph(), "core") == []
+    lazy = "def f():\n    from runtime.engines.torch.launcher import run_group\n    return run_group\n"
+    assert framework_reaches(graph({"runtime.core.launch": lazy}), "core") == [
+        "runtime.core.launch -> runtime.engines.torch.launcher"]
+
+
 def test_no_import_cycles_counting_imports_inside_functions():
     """A factory's lazy import (a store by URI scheme, an engine by name, a model file by
     architecture) is still a dependency: the one that would close a cycle lives above both."""

@@ -34,7 +34,7 @@ TOL = 1e-4
 KERNEL_ROUNDING = 4.0
 
 # Held-out rows of the example task the tune is scored on (the first 24 of the 60, to keep the
-# suite short; examples/real-model.sh scores all 60).
+# suite short; examples/smollm2/walkthrough.sh scores all 60).
 EVAL_ROWS = 24
 TUNE = ["--steps", "24", "--batch", "4", "--lr", "1e-3", "--rank", "8", "--warmup", "4", "--ckpt-every", "4",
         "--targets", "q_proj,k_proj,v_proj,o_proj"]

@@ -24,6 +24,7 @@ class JobCommand:
     main_input: str  # the argument a default job name is derived from
     derive: Callable[[dict], None] = lambda values: None  # fills derived defaults in place
     check: Callable[[dict], None] = lambda values: None  # rules across options
+    example: str = ""  # the last line of its --help: docs/commands.md's example, run as written on tiny
 
     def option(self, name: str) -> O.Opt:
         return next(o for o in self.options if o.name == name)
@@ -106,18 +107,22 @@ def _check_rows(command: str):
     return check
 
 
-def _rows(name: str, help_: str, options, main_input: str) -> JobCommand:
-    return JobCommand(name, help_, options, f"runtime.jobs.{name}", main_input, check=_check_rows(name))
+def _rows(name: str, help_: str, options, main_input: str, example: str) -> JobCommand:
+    return JobCommand(name, help_, options, f"runtime.jobs.{name}", main_input, check=_check_rows(name), example=example)
 
 
 COMMANDS = {
     "tune": JobCommand("tune", "LoRA fine-tune a model on chat data; survives preemption", O.TUNE, "runtime.jobs.tune", "data",
-                       _derive_tune, _check_tune),
-    "run": _rows("run", "batch inference over OpenAI batch JSONL; every row done once", O.RUN, "input"),
-    "eval": _rows("eval", "score a model on rows with expected answers", O.EVAL, "evals"),
-    "distill": _rows("distill", "a teacher answers prompts; the output is training data for tune", O.DISTILL, "prompts"),
+                       _derive_tune, _check_tune,
+                       example="spillpack tune tiny examples/data/train.jsonl --name mine --state mine --steps 20"),
+    "run": _rows("run", "batch inference over OpenAI batch JSONL; every row done once", O.RUN, "input",
+                 "spillpack run tiny examples/data/prompts.jsonl --name answers --adapter mine/adapter --out answers.jsonl"),
+    "eval": _rows("eval", "score a model on rows with expected answers", O.EVAL, "evals",
+                  "spillpack eval tiny examples/data/evals.jsonl --name scored --adapter mine/adapter"),
+    "distill": _rows("distill", "a teacher answers prompts; the output is training data for tune", O.DISTILL, "prompts",
+                     "spillpack distill tiny examples/data/prompts.jsonl --name distilled --adapter mine/adapter --out distilled.jsonl"),
     "build": JobCommand("build", "a folder: eval, distill, tune, eval, with a table of scores", O.BUILD, "runtime.jobs.build",
-                        "folder", check=_check_build),
+                        "folder", check=_check_build, example="spillpack build examples/data --student tiny --steps 20 --name built"),
 }
 
 

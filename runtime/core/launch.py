@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from runtime.base import ranks
 from runtime.base.errors import SpillpackError
+from runtime.engines.registry import group_launcher
 
 DEFAULT_PORT = 29500
 NPROC_MAX = 1024  # data-parallel processes on one machine: one per GPU, or per CPU at the most
@@ -124,12 +125,12 @@ def worker_command() -> list[str]:
 
 
 def launch(argv: list[str], nproc: int, nodes: Nodes, engine: str, name: str, debug: bool = False) -> int:
-    """Run this node's ranks of the group; the exit code (runtime/engines/torch/launcher.py)."""
-    if engine == "mlx":
-        raise SpillpackError(f"the mlx engine runs one process, not {nproc * nodes.count}",
+    """Run this node's ranks of the group; the exit code (the engine's launcher, through runtime/engines/registry.py)."""
+    run_group = group_launcher(engine)
+    if run_group is None:
+        raise SpillpackError(f"the {engine} engine runs one process, not {nproc * nodes.count}",
                              "run it without --nproc (and SPILLPACK_NPROC unset), or with --engine torch-cuda|torch-cpu")
     try:
-        from runtime.engines.torch.launcher import run_group
+        return run_group([*worker_command(), *argv], nproc, nodes, name, debug)
     except ImportError:
         raise SpillpackError("--nproc needs torch with torch.distributed on this machine", "spillpack doctor")
-    return run_group([*worker_command(), *argv], nproc, nodes, name, debug)

@@ -77,3 +77,16 @@ def group_opener(name: str) -> Callable[[], object] | None:
             return ProcessGroup(name)
         return open_torch_group
     return None
+
+
+def group_launcher(name: str) -> Callable[..., int] | None:
+    """What starts this node's ranks of a multi-process group on engine `name` (torch's elastic
+    agent, as torchrun runs it), or None when the engine runs one process only. An ImportError
+    from it means the framework lacks torch.distributed."""
+    if name in ("torch-cpu", "torch-cuda"):
+        def run_torch_group(*args, **kw) -> int:
+            from runtime.engines.torch.launcher import run_group
+
+            return run_group(*args, **kw)
+        return run_torch_group
+    return None
