@@ -63,4 +63,10 @@ def plan_rows(engine_name: str, engine, model_dir, todo, batch: int) -> Generati
     slots = min(batch, len(todo))
     max_len = max(len(r.prompt_ids) + r.max_tokens for r in todo)
     longest = max(len(r.prompt_ids) for r in todo)
-    return generation_plan(model_dir.config, dtype_bytes(engine), slots, max_len, longest, runtime_gb, params)
+    weights_bytes = quantized = None
+    if getattr(engine, "keeps_quantized", lambda _: False)(model_dir):  # a GGUF's quantized weights stay in their blocks
+        from runtime.models.gguf.model import quantized_types, resident_bytes
+
+        weights_bytes, quantized = resident_bytes(model_dir.path, dtype_bytes(engine)), quantized_types(model_dir.path)
+    return generation_plan(model_dir.config, dtype_bytes(engine), slots, max_len, longest, runtime_gb, params,
+                           weights_bytes, quantized)

@@ -298,13 +298,16 @@ class GenerationPlan:
     slots: int
     max_len: int  # tokens a slot holds: the longest prompt + its max_tokens
     prefill: tuple[int, int]  # (rows, width) of the widest prefill forward counted (one chunk)
+    quantized: dict = field(default_factory=dict)  # quantized type -> weights resident in their blocks (a GGUF's)
 
     @property
     def peak_gb(self) -> float:
         return self.weights_gb + self.kv_cache_gb + self.activations_gb + self.runtime_gb
 
     def describe(self) -> str:
-        return (f"about {self.peak_gb:.2f} GB at the peak: weights {self.weights_gb:.2f} GB, KV cache {self.kv_cache_gb:.2f} GB "
+        kept = ", ".join(f"{n} {kind}" for kind, n in sorted(self.quantized.items()))
+        weights = f"weights {self.weights_gb:.2f} GB" + (f" ({kept} kept quantized)" if kept else "")
+        return (f"about {self.peak_gb:.2f} GB at the peak: {weights}, KV cache {self.kv_cache_gb:.2f} GB "
                 f"({self.slots} slots and a prefix cache x {self.max_len} tokens), activations {self.activations_gb:.2f} GB, "
                 f"runtime {self.runtime_gb:.2f} GB")
 
@@ -312,7 +315,7 @@ class GenerationPlan:
         return {"estimated_peak_gb": round(self.peak_gb, 3), "weights_gb": round(self.weights_gb, 3),
                 "kv_cache_gb": round(self.kv_cache_gb, 3), "activations_gb": round(self.activations_gb, 3),
                 "runtime_gb": round(self.runtime_gb, 3), "slots": self.slots, "max_len": self.max_len,
-                "prefill": list(self.prefill)}
+                "prefill": list(self.prefill), "quantized": dict(self.quantized)}
 
 
 def kv_cache_bytes(config: dict, slots: int, max_len: int, act_bytes: int) -> int:
@@ -322,10 +325,13 @@ def kv_cache_bytes(config: dict, slots: int, max_len: int, act_bytes: int) -> in
 
 
 def generation_plan(config: dict, act_bytes: int, slots: int, max_len: int, longest_prompt: int, runtime_gb: float,
-                    params: int | None = None) -> GenerationPlan:
-    """The predicted peak of generating with `slots` rows at once, each slot up to `max_len` tokens."""
+                    params: int | None = None, weights_bytes: int | None = None,
+                    quantized: dict | None = None) -> GenerationPlan:
+    """The predicted peak of generating with `slots` rows at once, each slot up to `max_len` tokens;
+    `weights_bytes`: the weights as they will lie (a GGUF's quantized ones in their blocks,
+    `quantized` counting them by type), else every parameter dense at `act_bytes`."""
     a = _args(config)
-    weights = (params if params is not None else base_params(config)) * act_bytes
+    weights = weights_bytes if weights_bytes is not None else (params if params is not None else base_params(config)) * act_bytes
     kv_slots = kv_cache_bytes(config, slots, max_len, act_bytes)
     kv = kv_slots + kv_cache_bytes(config, 1, max_len, act_bytes)  # and the prefix cache's one prompt
     d, hd = a.hidden_size, a.head_dim
@@ -352,4 +358,5 @@ def generation_plan(config: dict, act_bytes: int, slots: int, max_len: int, long
     logits = slots * a.vocab_size * (4 + (act_bytes if act_bytes != 4 else 0))
     activations = tokens * per_token + gathered + mask + scores + logits
     rows = min(slots, tokens)
-    return GenerationPlan(weights / GB, kv / GB, activations / GB, runtime_gb, slots, max_len, (rows, tokens // rows))
+    return GenerationPlan(weights / GB, kv / GB, activations / GB, runtime_gb, slots, max_len, (rows, tokens // rows),
+                          dict(quantized or {}))

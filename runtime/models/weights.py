@@ -106,14 +106,15 @@ def tensor_shapes(files) -> dict[str, tuple]:
     return out
 
 
-def read_tensors(files):
+def read_tensors(files, quantized: bool = False):
     """(name, safetensors dtype, numpy array) for each tensor, one at a time, in file order
-    (a GGUF's dequantized to float32, under the Hugging Face names)."""
+    (a GGUF's dequantized to float32, under the Hugging Face names; with `quantized`, its
+    quantized weights as (name, type, QuantTensor), runtime.models.gguf.tensors)."""
     for f in files:
         if is_gguf_file(f):
             from runtime.models.gguf.model import read_tensors as gguf_tensors
 
-            yield from gguf_tensors(f)
+            yield from gguf_tensors(f, quantized)
             continue
         raw = read_safetensors_header(f)
         header, start = json.loads(raw), 8 + len(raw)

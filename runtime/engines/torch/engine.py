@@ -316,10 +316,22 @@ class TorchEngine:
     def train_session(self, model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0) -> TorchTrainSession:
         return TorchTrainSession(self, model_dir, spec, tensors, opt, seed)
 
+    def keeps_quantized(self, model_dir) -> bool:
+        """Whether load_model keeps this model's weights quantized: a GGUF with quantized weights, on
+        a CPU, unless SPILLPACK_QUANT_GEMM=dense (quant_linear.py). The memory plan counts them so."""
+        from runtime.engines.torch.models.quant_linear import keeps_quantized
+        from runtime.models.gguf.model import find_gguf, quantized_types
+
+        if self.device.type != "cpu" or not keeps_quantized():
+            return False
+        path = find_gguf(model_dir.path)
+        return path is not None and bool(quantized_types(path))
+
     def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | None = None):
         # A float32 CPU base's GEMMs run faster on weights laid out for them (layout.cpu_inference_layout).
         cpu_inference = self.device.type == "cpu" and self.base_dtype == torch.float32
-        model = load_model(model_dir, dtype=self.base_dtype, device=self.device, cpu_inference=cpu_inference)
+        model = load_model(model_dir, dtype=self.base_dtype, device=self.device, cpu_inference=cpu_inference,
+                           quantized=self.keeps_quantized(model_dir))
         if adapter is not None:
             tensors, spec = adapter
             apply_lora(model, tensors, spec, self.device)

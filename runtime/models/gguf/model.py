@@ -66,19 +66,34 @@ def check(path) -> dict:
     return cfg
 
 
-def read_tensors(path):
-    """(HF name, "F32", float32 array) per weight, dequantized one tensor at a time."""
+def read_tensors(path, quantized: bool = False):
+    """(HF name, "F32", float32 array) per weight, dequantized one tensor at a time; with
+    `quantized`, (HF name, its type, QuantTensor) for each weight kept in its blocks."""
     from runtime.models.gguf.tensors import model_tensors
 
     gf = open_gguf(path)
-    for name, array in model_tensors(gf, config(path)):
-        yield name, "F32", array
+    for name, array in model_tensors(gf, config(path), quantized):
+        yield name, getattr(array, "kind", "F32"), array
     # The weights are the last thing a job reads from the header: its parsed metadata (a tokens
     # and a merges list of about 49k strings each for SmolLM2, 7 MB) would otherwise stay
     # resident beside the model for the whole job. A later call parses the file again (0.1 s).
     del gf
     _open.cache_clear()
     _config.cache_clear()
+
+
+def quantized_types(path) -> dict[str, int]:
+    """Quantized type -> count of the 2-D weights that a quantized load keeps in their blocks."""
+    from runtime.models.gguf.tensors import resident_bytes
+
+    return resident_bytes(open_gguf(path), 4)[1]
+
+
+def resident_bytes(path, float_bytes: int) -> int:
+    """The weights' bytes in memory under a quantized load (the rest dense at `float_bytes`)."""
+    from runtime.models.gguf.tensors import resident_bytes as count
+
+    return count(open_gguf(path), float_bytes)[0]
 
 
 def tensor_shapes(path) -> dict[str, tuple]:

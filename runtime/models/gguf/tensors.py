@@ -1,4 +1,5 @@
-"""A GGUF's tensors under the Hugging Face names spillpack's models keep, dequantized to float32.
+"""A GGUF's tensors under the Hugging Face names spillpack's models keep, dequantized to float32,
+or kept in their quantized blocks (QuantTensor) for an engine that multiplies them as they are.
 
 Dequantization is the `gguf` package's (llama.cpp's own Python reference), imported only when a
 GGUF is read. Two of llama.cpp's conversions are undone here, as transformers undoes them:
@@ -10,6 +11,7 @@ in one tensor per projection and are split into the per-expert linears.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,6 +40,31 @@ _FAMILY_LAYER = {
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+# The quantized types an engine may keep as blocks instead of dequantizing (2-D weights only).
+QUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+@dataclass
+class QuantTensor:
+    """A 2-D weight in its GGUF blocks: `raw` is uint8 (rows, bytes per row), each row the blocks
+    of one output row (a row is whole blocks, so rows can be permuted, split and joined as bytes)."""
+
+    kind: str  # one of QUANTIZED
+    shape: tuple[int, int]  # (out, in), numpy's order
+    raw: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 (out, in), as the dense load makes it (gguf's own dequantization)."""
+        import gguf
+
+        out = gguf.quants.dequantize(self.raw, gguf.GGMLQuantizationType[self.kind])
+        return np.ascontiguousarray(out, dtype=np.float32).reshape(self.shape)
 
 
 def type_name(ggml_type: int) -> str:
@@ -96,8 +123,10 @@ def dequantize(gf, info) -> np.ndarray:
     return np.ascontiguousarray(out, dtype=np.float32).reshape(info.shape)
 
 
-def model_tensors(gf, config: dict):
-    """(HF name, float32 array) for each weight of the model, one tensor at a time, in file order."""
+def model_tensors(gf, config: dict, quantized: bool = False):
+    """(HF name, float32 array) for each weight of the model, one tensor at a time, in file order;
+    with `quantized`, a 2-D weight of a QUANTIZED type comes as a QuantTensor instead (its rows
+    un-permuted as bytes, no float copy made)."""
     family = gf.architecture
     permute = family == "llama"  # also Mistral, which GGUF carries as llama
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
@@ -105,12 +134,16 @@ def model_tensors(gf, config: dict):
         if info.name in IGNORED:
             continue
         name = hf_name(family, info.name)
-        w = dequantize(gf, info)
+        kind = type_name(info.ggml_type)
+        blocks = quantized and kind in QUANTIZED and len(info.shape) in (2, 3)
+        w = gf.read_raw(info) if blocks else dequantize(gf, info)
         if name is None:  # (experts, out, in): one linear per expert
             m = _BLOCK.match(info.name)
             proj = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}[m.group(2)]
             for e in range(w.shape[0]):
-                yield f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight", np.ascontiguousarray(w[e])
+                part = np.ascontiguousarray(w[e])
+                yield (f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight",
+                       QuantTensor(kind, tuple(info.shape[1:]), part) if blocks else part)
             continue
         if permute and info.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute(w, heads)
@@ -118,7 +151,23 @@ def model_tensors(gf, config: dict):
             w = unpermute(w, kv_heads)
         if family == "gemma3" and info.name.endswith("norm.weight"):
             w = w - np.float32(1)
-        yield name, w
+        yield name, (QuantTensor(kind, tuple(info.shape), np.ascontiguousarray(w)) if blocks else w)
+
+
+def resident_bytes(gf, float_bytes: int) -> tuple[int, dict[str, int]]:
+    """What the weights hold in memory when the QUANTIZED 2-D ones stay in their blocks and the
+    rest is dense at `float_bytes` a value: (bytes, quantized type -> tensor count)."""
+    total, kinds = 0, {}
+    for info in gf.tensors.values():
+        if info.name in IGNORED:
+            continue
+        kind = type_name(info.ggml_type)
+        if kind in QUANTIZED and len(info.shape) in (2, 3):
+            total += info.nbytes
+            kinds[kind] = kinds.get(kind, 0) + 1
+        else:
+            total += int(np.prod(info.shape, dtype=np.int64)) * float_bytes
+    return total, kinds
 
 
 def model_shapes(gf) -> dict[str, tuple]:

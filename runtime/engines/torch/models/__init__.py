@@ -8,6 +8,7 @@ import importlib
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from runtime.base.heap import trim_heap
@@ -29,11 +30,15 @@ def model_file(arch):
     return importlib.import_module(f"{__name__}.{arch.module}")
 
 
-def load_weights(files, dtype, device) -> dict:
+def load_weights(files, dtype, device, quantized: bool = False) -> dict:
     """Tensor by tensor: each is converted (and moved) before the next is read, so the host
-    never holds the file's copy beside the converted one."""
+    never holds the file's copy beside the converted one. With `quantized`, a GGUF's quantized
+    weights stay QuantTensors (runtime.models.gguf.tensors), in their blocks."""
     weights = {}
-    for name, kind, array in read_tensors(files):
+    for name, kind, array in read_tensors(files, quantized):
+        if not isinstance(array, np.ndarray):  # a QuantTensor
+            weights[name] = array
+            continue
         t = torch.from_numpy(array)
         if kind == "BF16":
             t = t.view(torch.bfloat16)
@@ -47,19 +52,25 @@ def load_checkpoint(model_dir: "ModelDir", dtype=torch.float32, device="cpu") ->
     return arch.sanitize(arch.args.from_dict(model_dir.config), load_weights(weight_files(model_dir.path), dtype, device))
 
 
-def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", cpu_inference: bool = False):
+def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", cpu_inference: bool = False,
+               quantized: bool = False):
     """Build the architecture named by config.json and load its weights strictly; `cpu_inference`:
     the weights laid out for a float32 CPU base's generation and evaluation (layout.cpu_inference_layout),
-    which no gradient may reach."""
+    which no gradient may reach; `quantized` (inference on a CPU): a GGUF's quantized weights kept
+    in their blocks (quant_linear.py), never dequantized whole."""
     arch = architecture(model_dir.config, str(model_dir.path / "config.json"))
     args = arch.args.from_dict(model_dir.config)
     # Build on the meta device: no time or memory spent on a random init that is overwritten.
     with torch.device("meta"):
         model = model_file(arch).Model(args)
     files = weight_files(model_dir.path)
-    weights = arch.sanitize(args, load_weights(files, dtype, device))
+    weights = arch.sanitize(args, load_weights(files, dtype, device, quantized))
     check_weights({k: tuple(v.shape) for k, v in model.state_dict().items()},
                   {k: tuple(v.shape) for k, v in weights.items()}, files, model_dir)
+    if quantized:
+        from runtime.engines.torch.models.quant_layout import quantized_modules
+
+        weights = quantized_modules(model, weights, dtype)
     model.load_state_dict(weights, strict=True, assign=True)
     del weights
     if cpu_inference:

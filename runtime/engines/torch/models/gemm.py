@@ -41,7 +41,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(x, weight, bias=None):
-    """x @ weight^T + bias, for a dense weight, one `pack`ed, or a numpy (in, out) array (`blas_linear`)."""
+    """x @ weight^T + bias, for a dense weight, one `pack`ed, a numpy (in, out) array (`blas_linear`),
+    or a module that multiplies by its own weight (a joined quantized group, quant_linear.QuantLinear)."""
+    if isinstance(weight, nn.Module):
+        return weight(x) if bias is None else weight(x) + bias
     if isinstance(weight, np.ndarray):
         return blas_linear(x, weight, bias)
     if weight.layout == torch._mkldnn:

@@ -50,6 +50,8 @@ def cpu_inference_layout(model: nn.Module) -> None:
                 module.decode_blas = True  # its decode steps' attention products (attention.decode_attention)
             for names in getattr(module, "joined", ()):
                 bases = [base_linear(getattr(module, n)) for n in names]
+                if any(type(b) is not nn.Linear for b in bases):  # quantized (quant_layout.py): laid out already
+                    continue
                 joined_bases.update(map(id, bases))
                 small = not (packs and sum(b.weight.numel() for b in bases) >= PACK_MIN_WEIGHTS)
                 if small:
@@ -76,7 +78,7 @@ def cpu_inference_layout(model: nn.Module) -> None:
                     m.weight_t = m.weight.detach().t().numpy()
                     m.__class__ = BlasLinear
         tied = getattr(model, "lm_head", True) is None
-        if tied:
+        if tied and not model.model.embed_tokens.weight.is_meta:  # (a quantized embedding multiplies its own head)
             embed = model.model.embed_tokens
             if embed.weight.numel() >= PACK_MIN_WEIGHTS:
                 model.head_kernel = "by_rows"
@@ -164,6 +166,8 @@ def _joined(module: nn.Module, bases: list):
         return cached[1]
     weights = [b.weight for b in bases]
     if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        return None
+    if any(w.is_meta for w in weights):  # quantized linears that could not be joined: each runs its own product
         return None
     ptrs = tuple(w.data_ptr() for w in weights)
     if cached is not None and cached[0] == ptrs:

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from runtime.engines.torch.models.attention import KVCache, PackedStep, build_mask
 from runtime.engines.torch.models.gemm import head
 from runtime.engines.torch.models.layout import joined_outputs, linear
+from runtime.engines.torch.models.quant_linear import QuantEmbedding
 from runtime.models.args import ModelArgs, rope
 
 
@@ -268,15 +269,18 @@ class Model(nn.Module):
     def logits(self, hidden):
         """(..., D) -> (..., V); kept apart so training can project only the positions with loss."""
         if self.lm_head is None:
-            return head(hidden, self.model.embed_tokens.weight, self.head_kernel)
+            embed = self.model.embed_tokens
+            if isinstance(embed, QuantEmbedding):  # its head over the same quantized blocks
+                return embed.head(hidden)
+            return head(hidden, embed.weight, self.head_kernel)
         return linear(self.lm_head, hidden)
 
     def forward(self, input_ids, positions=None, cache=None, attn_mask=None):
         return self.logits(self.hidden_states(input_ids, positions, cache, attn_mask))
 
     def make_cache(self, batch: int, max_len: int) -> KVCache:
-        p = self.model.embed_tokens.weight
-        return KVCache(self.args, batch, max_len, dtype=p.dtype, device=p.device)
+        p = self.model.norm.weight  # (a quantized embedding's weight is a placeholder on the meta device)
+        return KVCache(self.args, batch, max_len, dtype=self.model.embed_tokens.weight.dtype, device=p.device)
 
     def numpy_step(self, k: torch.Tensor, v: torch.Tensor):
         """A decode step on numpy over the KV cache k, v (numpy_step.py) where this model is a plain

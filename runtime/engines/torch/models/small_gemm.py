@@ -38,8 +38,9 @@ MARGIN = 1.1
 KERNELS = ("blas", "mkl")
 
 
-def _best(fn, repeats: int = 60) -> float:
-    for _ in range(10):
+def best_seconds(fn, repeats: int = 60, warmup: int = 10) -> float:
+    """The fastest of `repeats` calls of fn, after `warmup` (the measurements of the kernel choices)."""
+    for _ in range(warmup):
         fn()
     best = float("inf")
     for _ in range(repeats):
@@ -69,26 +70,33 @@ def measure() -> dict:
     with torch.inference_mode():
         for w in weights:  # as BlasLinear holds it: the (in, out) numpy view made once at load
             w_t = w.t().numpy()
-            mkl += _best(lambda: F.linear(x, w))
-            blas += _best(lambda: blas_linear(x, w_t))
+            mkl += best_seconds(lambda: F.linear(x, w))
+            blas += best_seconds(lambda: blas_linear(x, w_t))
         down_t = down.t().numpy()
-        mkl += _best(lambda: F.linear(h, down))
-        blas += _best(lambda: blas_linear(h, down_t))
-        mkl += _best(lambda: decode_products(q, k, v, bias, 0.17, blas=False))
-        blas += _best(lambda: decode_products(q, k, v, bias, 0.17, blas=True))
+        mkl += best_seconds(lambda: F.linear(h, down))
+        blas += best_seconds(lambda: blas_linear(h, down_t))
+        mkl += best_seconds(lambda: decode_products(q, k, v, bias, 0.17, blas=False))
+        blas += best_seconds(lambda: decode_products(q, k, v, bias, 0.17, blas=True))
     return {"mkl_s": round(mkl, 7), "blas_s": round(blas, 7)}
+
+
+def forced_kernel(variable: str, kernels: tuple[str, ...]) -> str | None:
+    """The kernel the environment variable names (None where unset); any other value is refused."""
+    from runtime.base.errors import SpillpackError
+
+    chosen = os.environ.get(variable, "").strip().lower()
+    if chosen and chosen not in kernels:
+        raise SpillpackError(f"{variable}={os.environ[variable]!r} is not {' or '.join(kernels)}",
+                             f"{variable}={kernels[0]}, or unset it")
+    return chosen or None
 
 
 def _choice() -> tuple[str | None, dict | None]:
     """(the kernel SPILLPACK_SMALL_GEMM names, else None; the measurement, else None)."""
-    from runtime.base.errors import SpillpackError
     from runtime.engines.hardware import cached_measurement
 
-    chosen = os.environ.get("SPILLPACK_SMALL_GEMM", "").strip().lower()
+    chosen = forced_kernel("SPILLPACK_SMALL_GEMM", KERNELS)
     if chosen:
-        if chosen not in KERNELS:
-            raise SpillpackError(f"SPILLPACK_SMALL_GEMM={os.environ['SPILLPACK_SMALL_GEMM']!r} is not blas or mkl",
-                                 "SPILLPACK_SMALL_GEMM=blas, or unset it")
         return chosen, None
     # "2": measured on decode_attention's products over a cache slice (a cached figure of
     # the first measurement, on plain bmm shapes, is measured again)

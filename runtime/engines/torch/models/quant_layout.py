@@ -1,0 +1,68 @@
+"""A model's modules over a quantized GGUF's weights: each linear (and the embedding) whose
+weight came as a QuantTensor replaced by its quantized module (quant_linear.py), and q/k/v and
+gate/up joined as their quantized rows laid end to end, so joined_outputs runs each group as
+one product as it does for dense weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.engines.torch.models.layout import LAID_OUT
+from runtime.engines.torch.models.quant_linear import HollowLinear, QuantEmbedding, QuantLinear, join
+from runtime.models.gguf.tensors import QuantTensor
+
+
+def quantized_modules(model: nn.Module, weights: dict, dtype) -> dict:
+    """Put the quantized modules in `model` (built on the meta device) for the QuantTensors of
+    `weights`; returns the dense tensors left for load_state_dict (the quantized linears' biases
+    taken into their modules). A quantized weight of a module that is neither an nn.Linear nor an
+    nn.Embedding (a family's own) is dequantized: nothing is left unloaded."""
+    quant = {k: v for k, v in weights.items() if isinstance(v, QuantTensor)}
+    rest = {k: v for k, v in weights.items() if k not in quant}
+    joined = set()
+    for parent_name, parent in list(model.named_modules()):
+        for names in getattr(parent, "joined", ()):
+            full = [f"{parent_name}.{n}" for n in names]
+            if not all(f"{f}.weight" in quant and type(parent._modules[n]) is nn.Linear for f, n in zip(full, names)):
+                continue
+            qts = [quant[f"{f}.weight"] for f in full]
+            one = join(qts, [rest.get(f"{f}.bias") for f in full], dtype)
+            if one is None:  # types or widths differ: each linear its own quantized module
+                continue
+            for f, n, qt in zip(full, names, qts):
+                rest.pop(f"{f}.bias", None)
+                parent._modules[n] = HollowLinear(qt.shape, dtype, qt.kind)
+                joined.add(f)
+            parent.__dict__["joined_linears"] = (LAID_OUT, (one, None, [qt.shape[0] for qt in qts]))
+    for key, qt in quant.items():
+        name = key.removesuffix(".weight")
+        if name in joined:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = parent._modules[child]
+        if isinstance(old, nn.Embedding):
+            parent._modules[child] = QuantEmbedding(qt, dtype)
+        elif type(old) is nn.Linear:
+            parent._modules[child] = QuantLinear(qt, rest.pop(f"{name}.bias", None), dtype)
+        else:
+            rest[key] = torch.from_numpy(qt.dequantize()).to(dtype)
+    return rest
+
+
+def kernels(model: nn.Module) -> dict[str, int]:
+    """"<type> on <kernel>" -> how many quantized products of `model` run so (a joined group counts once)."""
+    out = {}
+    for m in model.modules():
+        found = [m] if isinstance(m, QuantLinear) else []
+        cached = m.__dict__.get("joined_linears")
+        if cached and cached[0] is LAID_OUT and isinstance(cached[1][0], QuantLinear):
+            found.append(cached[1][0])
+        if isinstance(m, QuantEmbedding):
+            key = f"{m.kind} embedding and head on scratch"
+            out[key] = out.get(key, 0) + 1
+        for q in found:
+            key = f"{q.kind} on {q.kernel}"
+            out[key] = out.get(key, 0) + 1
+    return out

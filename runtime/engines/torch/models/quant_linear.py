@@ -1,0 +1,395 @@
+"""Linears and embeddings whose GGUF weights stay quantized in memory (inference on a CPU).
+
+A quantized GGUF's 2-D weights (runtime.models.gguf.tensors.QuantTensor) are laid out once for
+one of two kernels, chosen per type and shape:
+
+- "int4pack" (Q4_0, Q4_1): torch's `_weight_int4pack_mm_for_cpu` over the weight packed by
+  `_convert_weight_to_int4pack_for_cpu`, group size 32, one (scale, zero) a block: that kernel
+  reads a weight as (q - 8) * scale + zero, so Q4_0's d * (q - 8) is zero 0 and Q4_1's d * q + m
+  is zero m + 8 d. It runs where the input is bfloat16 (float32 inputs take a scalar path,
+  measured 10-30x slower than the alternative below).
+- "scratch" (every type): the weight kept in its blocks (int8 or nibbles and their scales, or the
+  raw K-quant bytes) and dequantized, a chunk of rows at a time, into one reused buffer of the
+  compute dtype just before its product (F.linear). No full float copy of a layer exists at any
+  time. Q8_0 has no torch kernel: `_weight_int8pack_mm` takes one scale per row, and Q8_0 has one
+  per 32 values; that product taken block by block (18 calls at 576 inputs) measured 2-4x slower
+  than dequantizing into the scratch. The K-quants are dequantized by gguf's own reference.
+
+Where both kernels apply, the choice is measured once per machine, torch version, thread count,
+type, shape and dtype at a decode step's rows (DECODE_ROWS), and kept in the rates cache as
+small_gemm's choice is (runtime.engines.hardware.cached_measurement); `SPILLPACK_QUANT_GEMM`
+= int4pack | scratch | dense chooses instead (dense: the whole model dequantized at load, as
+before). A tied embedding's head multiplies on the scratch kernel over the same blocks its
+lookups read, so the embedding is held once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP = 32  # values a block of Q8_0, Q4_0 and Q4_1 (and the int4pack group size)
+KERNELS = ("int4pack", "scratch", "dense")
+INT4PACK_TYPES = ("Q4_0", "Q4_1")
+INT4PACK_ROWS = 16  # the int4pack layout packs output rows 16 at a time: other row counts take the scratch
+DECODE_ROWS = 8  # the rows the kernels are measured at: a decode step's, which dominates a run
+SCRATCH_BYTES = 4 << 20  # a chunk of dequantized rows: large enough for MKL, small enough to stay in cache
+MEASURE_MAX_ROWS = 4096  # a larger weight is measured on this many of its rows (both kernels scale with rows)
+ENV = "SPILLPACK_QUANT_GEMM"
+
+
+# ---- blocks: a QuantTensor held as torch tensors, dequantized a range of rows at a time
+
+
+class Q8Blocks:
+    """Q8_0: per block of 32, an f16 scale d and 32 int8 values; w = d * q."""
+
+    def __init__(self, raw: np.ndarray, rows: int, cols: int):
+        b = raw.reshape(rows, cols // GROUP, 34)
+        self.q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8))  # (rows, blocks, 32)
+        self.d = _f16(b[..., :2])  # (rows, blocks, 1)
+
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.d.nbytes
+
+    def rows(self, index) -> "Q8Blocks":
+        out = object.__new__(Q8Blocks)
+        out.q, out.d = self.q[index], self.d[index]
+        return out
+
+    def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
+        """Rows lo..hi dequantized into `out` (hi - lo, blocks, 32), float32."""
+        out.copy_(self.q[lo:hi])
+        out.mul_(self.d[lo:hi])
+
+
+class Q4Blocks:
+    """Q4_0 (d, 16 bytes of nibbles: w = d * (q - 8)) and Q4_1 (d, m, nibbles: w = d * q + m); value
+    j < 16 of a block is the low nibble of byte j, value j + 16 its high nibble."""
+
+    def __init__(self, raw: np.ndarray, rows: int, cols: int, with_min: bool):
+        size = 20 if with_min else 18
+        b = raw.reshape(rows, cols // GROUP, size)
+        self.d = _f16(b[..., 0:2])  # (rows, blocks, 1)
+        self.m = _f16(b[..., 2:4]) if with_min else None
+        self.qs = torch.from_numpy(np.ascontiguousarray(b[..., size - 16:]))  # (rows, blocks, 16) uint8
+
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0)
+
+    def rows(self, index) -> "Q4Blocks":
+        out = object.__new__(Q4Blocks)
+        out.qs, out.d, out.m = self.qs[index], self.d[index], None if self.m is None else self.m[index]
+        return out
+
+    def nibbles(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """(rows, blocks, 32) uint8: each block's 32 values, 0..15."""
+        qs = self.qs[lo:hi]
+        return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+    def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
+        qs = self.qs[lo:hi]
+        nibble = _nibble_buffer(qs.shape)
+        torch.bitwise_and(qs, 15, out=nibble)
+        out[..., :16].copy_(nibble)
+        torch.bitwise_right_shift(qs, 4, out=nibble)
+        out[..., 16:].copy_(nibble)
+        if self.m is None:  # in gguf's order: (q - 8) first, then the scale
+            out.sub_(8).mul_(self.d[lo:hi])
+        else:
+            out.mul_(self.d[lo:hi]).add_(self.m[lo:hi])
+
+
+class RawBlocks:
+    """A K-quant (Q4_K, Q5_K, Q6_K): its bytes as they lie in the file, dequantized by gguf's reference."""
+
+    def __init__(self, raw: np.ndarray, kind: str, rows: int, cols: int):
+        self.raw, self.kind, self.cols = torch.from_numpy(np.ascontiguousarray(raw)), kind, cols
+
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def rows(self, index) -> "RawBlocks":
+        out = object.__new__(RawBlocks)
+        out.raw, out.kind, out.cols = self.raw[index], self.kind, self.cols
+        return out
+
+    def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
+        import gguf
+
+        values = gguf.quants.dequantize(self.raw[lo:hi].numpy(), gguf.GGMLQuantizationType[self.kind])
+        out.copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(out.shape))
+
+
+def _f16(a: np.ndarray) -> torch.Tensor:
+    """A block field of 2 bytes as the float16 scale it is (kept so: the product with a float32
+    buffer is exact, and half the memory of float32 scales)."""
+    return torch.from_numpy(np.ascontiguousarray(a).view(np.float16))
+
+
+def blocks_of(qt):
+    rows, cols = qt.shape
+    if qt.kind == "Q8_0":
+        return Q8Blocks(qt.raw, rows, cols)
+    if qt.kind in INT4PACK_TYPES:
+        return Q4Blocks(qt.raw, rows, cols, with_min=qt.kind == "Q4_1")
+    return RawBlocks(qt.raw, qt.kind, rows, cols)
+
+
+# ---- the scratch: one buffer per thread and dtype, reused by every layer's product
+
+_scratch = threading.local()
+
+
+def _buffer(name: str, numel: int, dtype) -> torch.Tensor:
+    bufs = _scratch.__dict__.setdefault(name, {})
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor, written in place inside inference mode and out
+            buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
+
+
+def _nibble_buffer(shape) -> torch.Tensor:
+    return _buffer("nibbles", int(np.prod(shape)), torch.uint8).view(shape)
+
+
+def chunk_rows(cols: int, dtype) -> int:
+    return max(1, SCRATCH_BYTES // (cols * dtype.itemsize))
+
+
+def dequantized(blocks, lo: int, hi: int, cols: int, dtype) -> torch.Tensor:
+    """Rows lo..hi of the weight as a (hi - lo, cols) tensor of the scratch (valid until its next
+    use). A 16-bit dtype's values are dequantized in float32 and rounded once, as the dense load
+    rounds them: the product is then the dense model's, bit for bit."""
+    n = (hi - lo) * cols
+    out = _buffer("weights", n, torch.float32)
+    view = out.view(hi - lo, -1, GROUP) if not isinstance(blocks, RawBlocks) else out.view(hi - lo, cols)
+    blocks.into(view, lo, hi)
+    if dtype != torch.float32:
+        out = _buffer("rounded", n, dtype).copy_(out)
+    return out.view(hi - lo, cols)
+
+
+def scratch_product(x: torch.Tensor, blocks, rows: int, cols: int) -> torch.Tensor:
+    """x (M, cols) @ W^T for W (rows, cols) in `blocks`, dequantized a chunk of rows at a time."""
+    step = chunk_rows(cols, x.dtype)
+    if rows <= step:
+        return F.linear(x, dequantized(blocks, 0, rows, cols, x.dtype))
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        out[:, lo:hi] = F.linear(x, dequantized(blocks, lo, hi, cols, x.dtype))
+    return out
+
+
+def int4pack(blocks: Q4Blocks, rows: int, cols: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight, scales and zeros (blocks, rows, 2)) for _weight_int4pack_mm_for_cpu."""
+    q = blocks.nibbles().reshape(rows, cols).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    d = blocks.d.float()[..., 0]  # (rows, blocks)
+    zero = torch.zeros_like(d) if blocks.m is None else blocks.m.float()[..., 0] + 8 * d
+    return packed, torch.stack([d, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+# ---- the modules
+
+
+class QuantLinear(nn.Module):
+    """An inference linear over a quantized weight (no gradient reaches it). `weight` is a meta
+    tensor of the weight's shape and dtype: what it would be dense, for code that asks; any use
+    of it as numbers fails loudly. The bias, if any, is dense."""
+
+    def __init__(self, qt, bias: torch.Tensor | None, dtype, kernel: str | None = None):
+        super().__init__()
+        self.out_features, self.in_features = qt.shape
+        self.kind, self.dtype = qt.kind, dtype
+        self.weight = torch.empty(qt.shape, dtype=dtype, device="meta")  # a plain attribute, not a parameter
+        self.bias = None if bias is None else bias.to(dtype)
+        self.kernel = kernel or choose_kernel(qt.kind, *qt.shape, dtype)
+        blocks = blocks_of(qt)
+        if self.kernel == "int4pack":
+            self.packed, self.scales_zeros = int4pack(blocks, *qt.shape, dtype)
+            self.blocks = None
+        else:
+            self.blocks = blocks
+
+    def nbytes(self) -> int:
+        """The bytes this linear holds (its layout and its bias)."""
+        held = self.blocks.nbytes() if self.blocks is not None else self.packed.nbytes + self.scales_zeros.nbytes
+        return held + (self.bias.nbytes if self.bias is not None else 0)
+
+    def forward(self, x):
+        flat = x.reshape(-1, self.in_features).to(self.dtype)
+        if self.kernel == "int4pack":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, GROUP, self.scales_zeros)
+        else:
+            y = scratch_product(flat, self.blocks, self.out_features, self.in_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.kind} on {self.kernel}"
+
+
+class HollowLinear(nn.Module):
+    """A linear whose weight lives in its group's joined QuantLinear (layout.joined_outputs runs
+    the group as one product); called alone it fails loudly."""
+
+    def __init__(self, shape, dtype, kind: str):
+        super().__init__()
+        self.out_features, self.in_features = shape
+        self.kind = kind
+        self.weight = torch.empty(shape, dtype=dtype, device="meta")
+        self.bias = None
+
+    def forward(self, x):
+        raise RuntimeError("a quantized linear joined with its group runs only through joined_outputs")
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding over a quantized table: a lookup dequantizes the rows it gathers; `head`
+    multiplies by the whole table (a tied head) on the scratch kernel over the same blocks."""
+
+    def __init__(self, qt, dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qt.shape
+        self.kind, self.dtype = qt.kind, dtype
+        self.weight = torch.empty(qt.shape, dtype=dtype, device="meta")
+        self.blocks = blocks_of(qt)
+
+    def nbytes(self) -> int:
+        return self.blocks.nbytes()
+
+    def forward(self, ids):
+        flat = ids.reshape(-1)
+        out = dequantized(self.blocks.rows(flat), 0, flat.numel(), self.embedding_dim, self.dtype)
+        return out.to(self.dtype, copy=True).view(*ids.shape, self.embedding_dim)  # its own memory, not the scratch's
+
+    def head(self, hidden):
+        flat = hidden.reshape(-1, self.embedding_dim).to(self.dtype)
+        return scratch_product(flat, self.blocks, self.num_embeddings, self.embedding_dim).view(*hidden.shape[:-1], self.num_embeddings)
+
+
+def join(qts: list, biases: list, dtype) -> QuantLinear | None:
+    """One QuantLinear over the rows of `qts` laid end to end (q/k/v, gate/up: same type and
+    input width), or None where they cannot be joined."""
+    from runtime.models.gguf.tensors import QuantTensor
+
+    if len({q.kind for q in qts}) != 1 or len({q.shape[1] for q in qts}) != 1:
+        return None
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    joined = QuantTensor(qts[0].kind, (sum(q.shape[0] for q in qts), qts[0].shape[1]), np.concatenate([q.raw for q in qts]))
+    bias = None if biases[0] is None else torch.cat(biases)
+    return QuantLinear(joined, bias, dtype)
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """The bytes of `model`'s weights as they lie: dense parameters and buffers, and each quantized
+    module's layout (a meta placeholder counts nothing)."""
+    total = sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if not t.is_meta)
+    seen = set()
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)):
+            total += m.nbytes()
+        for _, joined in [m.__dict__.get("joined_linears") or (None, None)]:
+            if isinstance(joined, tuple) and isinstance(joined[0], QuantLinear) and id(joined[0]) not in seen:
+                seen.add(id(joined[0]))
+                total += joined[0].nbytes()
+    return total
+
+
+# ---- the kernel choice
+
+
+def forced_kernel() -> str | None:
+    from runtime.engines.torch.models.small_gemm import forced_kernel as forced
+
+    return forced(ENV, KERNELS)
+
+
+def keeps_quantized() -> bool:
+    """Whether a quantized GGUF is loaded in its blocks (False under SPILLPACK_QUANT_GEMM=dense)."""
+    return forced_kernel() != "dense"
+
+
+@functools.cache
+def int4pack_available() -> bool:
+    try:
+        q = torch.zeros(INT4PACK_ROWS, GROUP * 2, dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        sz = torch.ones(2, INT4PACK_ROWS, 2, dtype=torch.bfloat16)
+        torch.ops.aten._weight_int4pack_mm_for_cpu(torch.ones(1, GROUP * 2, dtype=torch.bfloat16), packed, GROUP, sz)
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def random_tensor(kind: str, rows: int, cols: int, seed: int = 0):
+    """A QuantTensor of random blocks with small positive scales (what the measurement multiplies)."""
+    from runtime.models.gguf.tensors import QuantTensor
+
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    raw = np.random.default_rng(seed).integers(0, 256, size=(rows, cols // GROUP, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    raw[..., 0:2] = scale
+    if kind == "Q4_1":
+        raw[..., 2:4] = scale
+    return QuantTensor(kind, (rows, cols), raw.reshape(rows, -1))
+
+
+def measure(kind: str, rows: int, cols: int, dtype) -> dict:
+    """Seconds of one product at DECODE_ROWS rows on each kernel, the best of repeats."""
+    from runtime.engines.torch.models.small_gemm import best_seconds
+
+    qt = random_tensor(kind, min(rows, MEASURE_MAX_ROWS), cols)
+    x = torch.randn(DECODE_ROWS, cols, generator=torch.Generator().manual_seed(0)).to(dtype)
+    out = {}
+    with torch.inference_mode():
+        for kernel in ("int4pack", "scratch"):
+            layer = QuantLinear(qt, None, dtype, kernel)
+            out[f"{kernel}_s"] = round(best_seconds(lambda: layer(x), repeats=20, warmup=3), 7)
+    return out
+
+
+def _measured(kind: str, rows: int, cols: int, dtype) -> dict:
+    from runtime.engines.hardware import cached_measurement
+
+    name = str(dtype).removeprefix("torch.")
+    return cached_measurement("torch-cpu", f"quant gemm 1, {kind} {min(rows, MEASURE_MAX_ROWS)}x{cols} {name}, "
+                                           f"{torch.get_num_threads()} threads", lambda: measure(kind, rows, cols, dtype))
+
+
+def choose_kernel(kind: str, rows: int, cols: int, dtype) -> str:
+    """The kernel a quantized weight of this type and shape multiplies on here (see the module's doc)."""
+    if kind not in INT4PACK_TYPES or rows % INT4PACK_ROWS or not int4pack_available():
+        return "scratch"
+    forced = forced_kernel()
+    if forced in ("int4pack", "scratch"):
+        return forced
+    m = _measured(kind, rows, cols, dtype)
+    return "int4pack" if m["int4pack_s"] <= m["scratch_s"] else "scratch"
+
+
+def describe(dtype) -> str:
+    """doctor's line: the kernels quantized GGUF weights multiply on here, and why."""
+    forced = forced_kernel()
+    if forced:
+        return f"{forced} ({ENV})"
+    name = str(dtype).removeprefix("torch.")
+    if not int4pack_available():
+        return f"scratch for every type ({name}): this torch has no int4pack kernel for the CPU"
+    m = _measured("Q4_1", 3072, 576, dtype)
+    pick = "int4pack" if m["int4pack_s"] <= m["scratch_s"] else "scratch"
+    return (f"Q4_0/Q4_1 in {name} on {pick}: a {DECODE_ROWS}-row product by a 3072 x 576 weight took int4pack "
+            f"{m['int4pack_s'] * 1e6:.0f} us, dequantized into the scratch {m['scratch_s'] * 1e6:.0f} us (measured "
+            f"per shape at load, the faster kept); Q8_0 and the K-quants dequantized into the scratch (no torch kernel "
+            f"takes a scale per 32 values)")

@@ -1,0 +1,153 @@
+"""A quantized GGUF kept quantized in memory (torch-cpu inference): logits held to the same file
+loaded dense (every tensor dequantized to float32 by gguf, the path a tune takes), greedy `run`
+answers identical through the CLI, no dense float copy of the model, and the start event's
+memory plan naming what stays quantized. SmolLM2-135M-Instruct's Q4_1 file (Q8_0 tied
+embedding), and small random files of every quantized type written with gguf's own writer."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import events_of, run_cli
+from tests.support.gguf_files import real_model_path, write_family
+from runtime.engines.torch.models import load_model
+from runtime.engines.torch.models.quant_layout import kernels
+from runtime.engines.torch.models.quant_linear import QuantEmbedding, resident_bytes
+from runtime.models.ref import resolve_model
+from runtime.models.tiny import ensure_tiny
+from runtime.models.weights import tensor_shapes, weight_files
+
+TOL = 1e-4
+PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
+           "What is 12 times 12?"]
+# family -> the quantized types write_family gives its 2-D weights
+TYPES = {"llama": {"Q8_0", "Q4_0"}, "qwen3": {"Q4_1", "Q4_K"}, "qwen3_moe": {"Q5_K", "Q6_K"}, "gemma3": {"Q6_K", "Q8_0"},
+         "phi3": {"Q4_K", "Q5_K"}}
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    d = tmp_path_factory.mktemp("smollm2")
+    path = d / real_model_path().name
+    os.symlink(real_model_path(), path)
+    return path, resolve_model(str(path))
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, tiny_home):
+    """family -> (path, ModelDir) of a random GGUF of that family, written once."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("SPILLPACK_HOME", str(tiny_home))
+                path = write_family(name, tmp_path_factory.mktemp("gguf") / f"{name}.gguf", ensure_tiny())
+                built[name] = path, resolve_model(str(path))
+        return built[name]
+
+    return get
+
+
+def dense_float_bytes(model) -> int:
+    """The bytes of the model's float tensors that hold numbers (a quantized module's meta
+    placeholder holds none)."""
+    return sum(p.nbytes for p in [*model.parameters(), *model.buffers()] if p.is_floating_point() and not p.is_meta)
+
+
+def test_smollm2_float32_logits_are_the_dense_loads_and_no_dense_copy_exists(smollm2):
+    path, md = smollm2
+    quant = load_model(md, torch.float32, cpu_inference=True, quantized=True)
+    found = kernels(quant)
+    # float32 takes the scratch (int4pack has no fast float32 path); per layer q/k/v and gate/up
+    # joined, o and down: 4 products
+    assert found == {"Q8_0 embedding and head on scratch": 1, "Q4_1 on scratch": 4 * 30}, found
+    assert isinstance(quant.model.embed_tokens, QuantEmbedding)
+    dense_bytes = 4 * sum(math.prod(s) for s in tensor_shapes(weight_files(md.path)).values())
+    # No dense float copy: the float tensors that exist are the norms; the rest is blocks.
+    assert dense_float_bytes(quant) < 0.001 * dense_bytes
+    held = resident_bytes(quant)
+    print(f"SmolLM2 Q4_1 in float32: {held / 1e6:.1f} MB resident quantized, {dense_bytes / 1e6:.1f} MB dense")
+    assert held < 0.25 * dense_bytes
+    # The dense load on the same kernel (MKL's F.linear; cpu_inference's oneDNN packing sums in
+    # another order, measured 1.0e-4 away at logits of 25)
+    dense = load_model(md, torch.float32)
+    ids = torch.tensor([[1, 504, 3575, 282, 4649, 314, 4, 1359, 2, 77, 900], [28, 1842, 2830, 355, 2023, 30, 216, 216, 42, 9, 7]])
+    with torch.no_grad():
+        a, b = quant(ids), dense(ids)
+    print(f"float32 logits: {float((a - b).abs().max()):.2e} from the dense load's")
+    assert float((a - b).abs().max()) <= TOL, float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_every_quantized_type_gives_the_dense_loads_logits(small, name):
+    path, md = small(name)
+    quant = load_model(md, torch.float32, quantized=True)
+    assert {k.split()[0] for k in kernels(quant)} == TYPES[name]
+    dense = load_model(md, torch.float32)
+    ids = torch.tensor([[5, 17, 3, 99, 42, 7, 1, 250]])
+    with torch.no_grad():
+        a, b = quant(ids), dense(ids)
+    assert float((a - b).abs().max()) <= TOL * max(1.0, float(b.abs().max()))
+
+
+def test_bfloat16_int4pack_runs_q4_0_near_the_dense_bfloat16_load(small):
+    from runtime.engines.torch.models import quant_linear
+
+    if not quant_linear.int4pack_available():
+        pytest.skip("this torch has no int4pack kernel for the CPU")
+    path, md = small("llama")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPILLPACK_QUANT_GEMM", "int4pack")
+        quant = load_model(md, torch.bfloat16, quantized=True)
+    assert "Q4_0 on int4pack" in kernels(quant)
+    dense = load_model(md, torch.float32)
+    ids = torch.tensor([[5, 17, 3, 99, 42, 7, 1, 250]])
+    with torch.no_grad():
+        a, b = quant(ids).float(), dense(ids)
+    assert float((a - b).abs().max()) <= 0.05 * float(b.abs().max())
+
+
+def rows_file(path, prompts, max_tokens):
+    path.write_text("".join(json.dumps({"custom_id": f"p{i}", "body": {"messages": [{"role": "user", "content": p}],
+                                                                         "max_tokens": max_tokens}}) + "\n"
+                            for i, p in enumerate(prompts)))
+    return path
+
+
+def answers(model, rows, tmp_path, name, env=None):
+    out = tmp_path / f"{name}.jsonl"
+    r = run_cli(["run", str(model), str(rows), "--name", name, "--state", str(tmp_path / f"state-{name}"), "--out", str(out)],
+                env=env, timeout=900)
+    assert r.returncode == 0, r.stderr
+    start = next(e for e in events_of(r.stdout) if e["event"] == "start")
+    return [json.loads(line)["response"]["body"]["choices"][0]["message"]["content"] for line in out.read_text().splitlines()], start
+
+
+def test_run_answers_are_the_dense_runs_and_the_plan_names_what_stays_quantized(small, tmp_path, home):
+    """Through the CLI, float32, greedy: a Q8_0/Q4_0 file's answers kept quantized are the
+    answers of the same file dequantized at load (SPILLPACK_QUANT_GEMM=dense)."""
+    path, _ = small("llama")
+    rows = rows_file(tmp_path / "rows.jsonl", PROMPTS, 12)
+    quant, start = answers(path, rows, tmp_path, "quant")
+    dense, dense_start = answers(path, rows, tmp_path, "dense", {"SPILLPACK_QUANT_GEMM": "dense"})
+    assert quant == dense and any(quant)
+    plan, dense_plan = start["memory_plan"], dense_start["memory_plan"]
+    assert plan["quantized"] == {"Q8_0": 8, "Q4_0": 8}  # 2 layers of 7, the embedding and the head and dense_plan["quantized"] == {}
+    assert plan["weights_gb"] < 0.5 * dense_plan["weights_gb"]
+    assert "kept quantized" in start["message"]
+
+
+@pytest.mark.slow
+def test_smollm2_run_answers_are_the_dense_runs(smollm2, tmp_path, home):
+    """SmolLM2's Q4_1 GGUF through the CLI, float32, greedy: kept quantized, the dense run's answers."""
+    path, _ = smollm2
+    rows = rows_file(tmp_path / "rows.jsonl", PROMPTS, 24)
+    quant, start = answers(path, rows, tmp_path, "quant")
+    dense, _ = answers(path, rows, tmp_path, "dense", {"SPILLPACK_QUANT_GEMM": "dense"})
+    assert quant == dense
+    assert "Paris" in quant[0]
+    assert start["memory_plan"]["quantized"] == {"Q4_1": 210, "Q8_0": 1}
