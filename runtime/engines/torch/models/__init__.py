@@ -33,11 +33,14 @@ def model_file(arch):
 def load_weights(files, dtype, device, quantized: bool = False) -> dict:
     """Tensor by tensor: each is converted (and moved) before the next is read, so the host
     never holds the file's copy beside the converted one. With `quantized`, a GGUF's quantized
-    weights stay QuantTensors (runtime.models.gguf.tensors), in their blocks."""
+    weights (runtime.models.gguf.tensors.QuantTensor) stay in their blocks, as torch tensors
+    (quant_linear.blocks_of), each made before the next is read."""
     weights = {}
     for name, kind, array in read_tensors(files, quantized):
         if not isinstance(array, np.ndarray):  # a QuantTensor
-            weights[name] = array
+            from runtime.engines.torch.models.quant_linear import blocks_of
+
+            weights[name] = blocks_of(array)
             continue
         t = torch.from_numpy(array)
         if kind == "BF16":

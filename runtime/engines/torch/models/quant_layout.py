@@ -9,18 +9,18 @@ import torch
 from torch import nn
 
 from runtime.engines.torch.models.layout import LAID_OUT
-from runtime.engines.torch.models.quant_linear import HollowLinear, QuantEmbedding, QuantLinear, join
-from runtime.models.gguf.tensors import QuantTensor
+from runtime.engines.torch.models.quant_linear import Blocks, HollowLinear, QuantEmbedding, QuantLinear, dequantized, join
 
 
 def quantized_modules(model: nn.Module, weights: dict, dtype) -> dict:
-    """Put the quantized modules in `model` (built on the meta device) for the QuantTensors of
-    `weights`; returns the dense tensors left for load_state_dict (the quantized linears' biases
-    taken into their modules). A quantized weight of a module that is neither an nn.Linear nor an
-    nn.Embedding (a family's own) is dequantized: nothing is left unloaded."""
-    quant = {k: v for k, v in weights.items() if isinstance(v, QuantTensor)}
-    rest = {k: v for k, v in weights.items() if k not in quant}
-    joined = set()
+    """Put the quantized modules in `model` (built on the meta device) for the Blocks of `weights`
+    (load_weights' quantized tensors), taking each out of `weights` as its module is made (so the
+    blocks are held once: a joined group's or int4pack's layout replaces them); returns the dense tensors left for
+    load_state_dict (the quantized linears' biases taken into their modules). A quantized weight
+    of a module that is neither an nn.Linear nor an nn.Embedding (a family's own) is dequantized:
+    nothing is left unloaded."""
+    quant = {k: weights.pop(k) for k in [k for k, v in weights.items() if isinstance(v, Blocks)]}
+    rest = weights
     for parent_name, parent in list(model.named_modules()):
         for names in getattr(parent, "joined", ()):
             full = [f"{parent_name}.{n}" for n in names]
@@ -32,13 +32,13 @@ def quantized_modules(model: nn.Module, weights: dict, dtype) -> dict:
                 continue
             for f, n, qt in zip(full, names, qts):
                 rest.pop(f"{f}.bias", None)
+                del quant[f"{f}.weight"]
                 parent._modules[n] = HollowLinear(qt.shape, dtype, qt.kind)
-                joined.add(f)
             parent.__dict__["joined_linears"] = (LAID_OUT, (one, None, [qt.shape[0] for qt in qts]))
-    for key, qt in quant.items():
+            del qts, one
+    for key in list(quant):
+        qt = quant.pop(key)
         name = key.removesuffix(".weight")
-        if name in joined:
-            continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = parent._modules[child]
@@ -47,7 +47,7 @@ def quantized_modules(model: nn.Module, weights: dict, dtype) -> dict:
         elif type(old) is nn.Linear:
             parent._modules[child] = QuantLinear(qt, rest.pop(f"{name}.bias", None), dtype)
         else:
-            rest[key] = torch.from_numpy(qt.dequantize()).to(dtype)
+            rest[key] = dequantized(qt, 0, qt.shape[0], qt.shape[1], torch.float32).to(dtype, copy=True)
     return rest
 
 

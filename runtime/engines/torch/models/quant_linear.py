@@ -47,21 +47,45 @@ ENV = "SPILLPACK_QUANT_GEMM"
 # ---- blocks: a QuantTensor held as torch tensors, dequantized a range of rows at a time
 
 
-class Q8Blocks:
-    """Q8_0: per block of 32, an f16 scale d and 32 int8 values; w = d * q."""
+class Blocks:
+    """A quantized weight's blocks as torch tensors (its `fields`, each (rows, ...)), of `kind` and
+    (rows, cols) `shape`; `into` dequantizes a range of rows into a float32 buffer."""
 
-    def __init__(self, raw: np.ndarray, rows: int, cols: int):
-        b = raw.reshape(rows, cols // GROUP, 34)
-        self.q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8))  # (rows, blocks, 32)
-        self.d = _f16(b[..., :2])  # (rows, blocks, 1)
+    fields: tuple[str, ...] = ()
+
+    def __init__(self, kind: str, shape: tuple[int, int], **tensors):
+        self.kind, self.shape = kind, tuple(shape)
+        for name in self.fields:
+            setattr(self, name, tensors.get(name))
 
     def nbytes(self) -> int:
-        return self.q.nbytes + self.d.nbytes
+        return sum(t.nbytes for t in (getattr(self, f) for f in self.fields) if t is not None)
 
-    def rows(self, index) -> "Q8Blocks":
-        out = object.__new__(Q8Blocks)
-        out.q, out.d = self.q[index], self.d[index]
-        return out
+    def rows(self, index) -> "Blocks":
+        """The blocks of some rows (an embedding's lookups)."""
+        picked = {f: getattr(self, f) for f in self.fields}
+        return type(self)(self.kind, (-1, self.shape[1]), **{f: None if t is None else t[index] for f, t in picked.items()})
+
+    @classmethod
+    def cat(cls, parts: list["Blocks"]) -> "Blocks":
+        """The rows of `parts` (one kind, one width) end to end."""
+        tensors = {f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts]) for f in cls.fields}
+        return cls(parts[0].kind, (sum(p.shape[0] for p in parts), parts[0].shape[1]), **tensors)
+
+    def values(self, out: torch.Tensor) -> torch.Tensor:
+        """`out` (rows, cols) viewed as into() writes it."""
+        return out.view(out.shape[0], -1, GROUP)
+
+
+class Q8Blocks(Blocks):
+    """Q8_0: per block of 32, an f16 scale d and 32 int8 values; w = d * q."""
+
+    fields = ("q", "d")  # (rows, blocks, 32) int8; (rows, blocks, 1) float16
+
+    @classmethod
+    def of(cls, qt) -> "Q8Blocks":
+        b = qt.raw.reshape(qt.shape[0], qt.shape[1] // GROUP, 34)
+        return cls(qt.kind, qt.shape, q=torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8)), d=_f16(b[..., :2]))
 
     def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
         """Rows lo..hi dequantized into `out` (hi - lo, blocks, 32), float32."""
@@ -69,24 +93,19 @@ class Q8Blocks:
         out.mul_(self.d[lo:hi])
 
 
-class Q4Blocks:
+class Q4Blocks(Blocks):
     """Q4_0 (d, 16 bytes of nibbles: w = d * (q - 8)) and Q4_1 (d, m, nibbles: w = d * q + m); value
     j < 16 of a block is the low nibble of byte j, value j + 16 its high nibble."""
 
-    def __init__(self, raw: np.ndarray, rows: int, cols: int, with_min: bool):
+    fields = ("qs", "d", "m")  # (rows, blocks, 16) uint8; (rows, blocks, 1) float16 (m: Q4_1's only)
+
+    @classmethod
+    def of(cls, qt) -> "Q4Blocks":
+        with_min = qt.kind == "Q4_1"
         size = 20 if with_min else 18
-        b = raw.reshape(rows, cols // GROUP, size)
-        self.d = _f16(b[..., 0:2])  # (rows, blocks, 1)
-        self.m = _f16(b[..., 2:4]) if with_min else None
-        self.qs = torch.from_numpy(np.ascontiguousarray(b[..., size - 16:]))  # (rows, blocks, 16) uint8
-
-    def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes + (self.m.nbytes if self.m is not None else 0)
-
-    def rows(self, index) -> "Q4Blocks":
-        out = object.__new__(Q4Blocks)
-        out.qs, out.d, out.m = self.qs[index], self.d[index], None if self.m is None else self.m[index]
-        return out
+        b = qt.raw.reshape(qt.shape[0], qt.shape[1] // GROUP, size)
+        return cls(qt.kind, qt.shape, qs=torch.from_numpy(np.ascontiguousarray(b[..., size - 16:])), d=_f16(b[..., 0:2]),
+                   m=_f16(b[..., 2:4]) if with_min else None)
 
     def nibbles(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """(rows, blocks, 32) uint8: each block's 32 values, 0..15."""
@@ -106,18 +125,16 @@ class Q4Blocks:
             out.mul_(self.d[lo:hi]).add_(self.m[lo:hi])
 
 
-class RawBlocks:
+class RawBlocks(Blocks):
     """A K-quant (Q4_K, Q5_K, Q6_K): its bytes as they lie in the file, dequantized by gguf's reference."""
 
-    def __init__(self, raw: np.ndarray, kind: str, rows: int, cols: int):
-        self.raw, self.kind, self.cols = torch.from_numpy(np.ascontiguousarray(raw)), kind, cols
+    fields = ("raw",)  # (rows, bytes a row) uint8
 
-    def nbytes(self) -> int:
-        return self.raw.nbytes
+    @classmethod
+    def of(cls, qt) -> "RawBlocks":
+        return cls(qt.kind, qt.shape, raw=torch.from_numpy(np.ascontiguousarray(qt.raw)))
 
-    def rows(self, index) -> "RawBlocks":
-        out = object.__new__(RawBlocks)
-        out.raw, out.kind, out.cols = self.raw[index], self.kind, self.cols
+    def values(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
     def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
@@ -128,18 +145,21 @@ class RawBlocks:
 
 
 def _f16(a: np.ndarray) -> torch.Tensor:
-    """A block field of 2 bytes as the float16 scale it is (kept so: the product with a float32
-    buffer is exact, and half the memory of float32 scales)."""
+    """A block field of 2 bytes as the float16 scale it is (kept so: its product with a float32
+    buffer is exact, at half the memory of float32 scales)."""
     return torch.from_numpy(np.ascontiguousarray(a).view(np.float16))
 
 
-def blocks_of(qt):
-    rows, cols = qt.shape
+def blocks_of(qt) -> Blocks:
+    """A QuantTensor (runtime.models.gguf.tensors) as the torch blocks of its kind; its bytes can
+    then be dropped (the blocks are a copy in their own layout, of the same size)."""
+    if isinstance(qt, Blocks):
+        return qt
     if qt.kind == "Q8_0":
-        return Q8Blocks(qt.raw, rows, cols)
+        return Q8Blocks.of(qt)
     if qt.kind in INT4PACK_TYPES:
-        return Q4Blocks(qt.raw, rows, cols, with_min=qt.kind == "Q4_1")
-    return RawBlocks(qt.raw, qt.kind, rows, cols)
+        return Q4Blocks.of(qt)
+    return RawBlocks.of(qt)
 
 
 # ---- the scratch: one buffer per thread and dtype, reused by every layer's product
@@ -170,8 +190,7 @@ def dequantized(blocks, lo: int, hi: int, cols: int, dtype) -> torch.Tensor:
     rounds them: the product is then the dense model's, bit for bit."""
     n = (hi - lo) * cols
     out = _buffer("weights", n, torch.float32)
-    view = out.view(hi - lo, -1, GROUP) if not isinstance(blocks, RawBlocks) else out.view(hi - lo, cols)
-    blocks.into(view, lo, hi)
+    blocks.into(blocks.values(out.view(hi - lo, cols)), lo, hi)
     if dtype != torch.float32:
         out = _buffer("rounded", n, dtype).copy_(out)
     return out.view(hi - lo, cols)
@@ -207,6 +226,7 @@ class QuantLinear(nn.Module):
     of it as numbers fails loudly. The bias, if any, is dense."""
 
     def __init__(self, qt, bias: torch.Tensor | None, dtype, kernel: str | None = None):
+        """`qt`: a QuantTensor, or its Blocks."""
         super().__init__()
         self.out_features, self.in_features = qt.shape
         self.kind, self.dtype = qt.kind, dtype
@@ -279,15 +299,15 @@ class QuantEmbedding(nn.Module):
 
 
 def join(qts: list, biases: list, dtype) -> QuantLinear | None:
-    """One QuantLinear over the rows of `qts` laid end to end (q/k/v, gate/up: same type and
-    input width), or None where they cannot be joined."""
-    from runtime.models.gguf.tensors import QuantTensor
-
+    """One QuantLinear over the rows of `qts` (QuantTensors or their Blocks) laid end to end
+    (q/k/v, gate/up: same type and input width), or None where they cannot be joined."""
     if len({q.kind for q in qts}) != 1 or len({q.shape[1] for q in qts}) != 1:
         return None
     if any(b is None for b in biases) and not all(b is None for b in biases):
         return None
-    joined = QuantTensor(qts[0].kind, (sum(q.shape[0] for q in qts), qts[0].shape[1]), np.concatenate([q.raw for q in qts]))
+    parts = [blocks_of(q) for q in qts]
+    joined = type(parts[0]).cat(parts)
+    del parts
     bias = None if biases[0] is None else torch.cat(biases)
     return QuantLinear(joined, bias, dtype)
 
@@ -296,14 +316,12 @@ def resident_bytes(model: nn.Module) -> int:
     """The bytes of `model`'s weights as they lie: dense parameters and buffers, and each quantized
     module's layout (a meta placeholder counts nothing)."""
     total = sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if not t.is_meta)
-    seen = set()
     for m in model.modules():
         if isinstance(m, (QuantLinear, QuantEmbedding)):
             total += m.nbytes()
-        for _, joined in [m.__dict__.get("joined_linears") or (None, None)]:
-            if isinstance(joined, tuple) and isinstance(joined[0], QuantLinear) and id(joined[0]) not in seen:
-                seen.add(id(joined[0]))
-                total += joined[0].nbytes()
+        joined = (m.__dict__.get("joined_linears") or (None, (None,)))[1][0]  # a joined group's one QuantLinear
+        if isinstance(joined, QuantLinear):
+            total += joined.nbytes()
     return total
 
 
