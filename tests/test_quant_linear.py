@@ -126,7 +126,7 @@ def test_the_kernel_choice_is_measured_once_and_can_be_forced(home, monkeypatch)
     if not ql.int4pack_available():
         pytest.skip("this torch has no int4pack kernel for the CPU")
     kernel = ql.choose_kernel("Q4_1", 32, 64, torch.bfloat16)
-    cached = {k: v for k, v in _cached_rates().items() if "quant gemm" in k and "Q4_1 32x64 bfloat16" in k}
+    cached = {k: v for k, v in _cached_rates().items() if "quant gemm 2" in k and "Q4_1 32x64 bfloat16" in k}
     assert len(cached) == 1 and set(next(iter(cached.values()))) == {"int4pack_s", "scratch_s"}
     m = next(iter(cached.values()))
     assert kernel == ("int4pack" if m["int4pack_s"] <= m["scratch_s"] else "scratch")
