@@ -14,8 +14,8 @@ import torch
 from conftest import events_of, run_cli
 from tests.support.gguf_files import real_model_path, write_family
 from runtime.engines.torch.models import load_model
-from runtime.engines.torch.models.quant_layout import kernels
-from runtime.engines.torch.models.quant_linear import QuantEmbedding, resident_bytes
+from runtime.engines.torch.models.quant_layout import kernels, resident_bytes
+from runtime.engines.torch.models.quant_linear import QuantEmbedding
 from runtime.models.ref import resolve_model
 from runtime.models.tiny import ensure_tiny
 from runtime.models.weights import tensor_shapes, weight_files

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from conftest import run_cli
 from runtime.engines.torch.models import quant_linear as ql
-from runtime.engines.torch.models.quant_linear import QuantEmbedding, QuantLinear, join
+from runtime.engines.torch.models.quant_layout import join
+from runtime.engines.torch.models.quant_linear import QuantEmbedding, QuantLinear
 from runtime.models.gguf.tensors import QuantTensor
 from tests.support.gguf_files import _random_block_bytes
 

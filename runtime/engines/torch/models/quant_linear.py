@@ -298,33 +298,6 @@ class QuantEmbedding(nn.Module):
         return scratch_product(flat, self.blocks, self.num_embeddings, self.embedding_dim).view(*hidden.shape[:-1], self.num_embeddings)
 
 
-def join(qts: list, biases: list, dtype) -> QuantLinear | None:
-    """One QuantLinear over the rows of `qts` (QuantTensors or their Blocks) laid end to end
-    (q/k/v, gate/up: same type and input width), or None where they cannot be joined."""
-    if len({q.kind for q in qts}) != 1 or len({q.shape[1] for q in qts}) != 1:
-        return None
-    if any(b is None for b in biases) and not all(b is None for b in biases):
-        return None
-    parts = [blocks_of(q) for q in qts]
-    joined = type(parts[0]).cat(parts)
-    del parts
-    bias = None if biases[0] is None else torch.cat(biases)
-    return QuantLinear(joined, bias, dtype)
-
-
-def resident_bytes(model: nn.Module) -> int:
-    """The bytes of `model`'s weights as they lie: dense parameters and buffers, and each quantized
-    module's layout (a meta placeholder counts nothing)."""
-    total = sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if not t.is_meta)
-    for m in model.modules():
-        if isinstance(m, (QuantLinear, QuantEmbedding)):
-            total += m.nbytes()
-        joined = (m.__dict__.get("joined_linears") or (None, (None,)))[1][0]  # a joined group's one QuantLinear
-        if isinstance(joined, QuantLinear):
-            total += joined.nbytes()
-    return total
-
-
 # ---- the kernel choice
 
 
