@@ -207,6 +207,9 @@ TUNE = (
     Opt("gguf_type", "f16", choices=("f32", "f16", "q8_0"), help="the --gguf file's tensor type"),
     Opt("nproc", None, int, per_run=True, min=1, max=NPROC_MAX,
         help="data-parallel processes on this machine, one per GPU (default: SPILLPACK_NPROC, else 1); started through torchrun's launcher"),
+    Opt("shard_base", "auto", choices=("off", "on", "auto"), per_run=True,
+        help="split the frozen base across the ranks (FSDP2) so each holds a share; auto: when the whole base "
+             "does not fit one rank's memory"),
 )
 
 # Sharding (docs/commands.md, "Shards"): N is part of the job, I is which part this process does.

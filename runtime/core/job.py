@@ -110,6 +110,7 @@ class Job:
     _progress_at: float = 0.0
     state_step: int | None = None  # steps or rows done, as last reported: for the history's records
     kept_dtype: str | None = None  # the base dtype this job's last process on this engine ran (its history)
+    group_lost: bool = False  # left the group in the middle of a quantum: no last barrier to wait at
 
     PROGRESS_EVERY_S = 1.0
 
@@ -201,7 +202,7 @@ class Job:
         self.notices.stop()
         # The other ranks wait here for rank 0's last commit; a failed rank does not wait
         # (the launcher ends the group when it exits).
-        if self.group is not None and not failed:
+        if self.group is not None and not failed and not self.group_lost:
             self.group.finish()
 
     @property
@@ -233,6 +234,15 @@ class Job:
                     work.quantum()
             except Abandon:
                 abandoned = True
+            if abandoned and getattr(work, "lockstep", False):
+                # The quantum's collectives (a sharded base's gathers) may hold the other ranks, so
+                # no agreement can follow: this rank commits what it has (rank 0) and leaves, and
+                # the others lose the group (or, stopped too, leave the same way).
+                work.discard()
+                self.stopping(work.done)
+                work.commit()
+                self.group_lost = True
+                return self.preempted(work.done, abandoned_quantum=True)
             if self.agree(abandoned):  # one rank's abandoned quantum is every rank's
                 work.discard()
                 self.stopping(work.done)

@@ -79,6 +79,14 @@ def group_opener(name: str) -> Callable[[], object] | None:
     return None
 
 
+def sharded_session(engine, group, model_dir, spec, tensors: dict, opt, seed: int = 0):
+    """A tune's train session with the frozen base split across `group`'s ranks (tune --shard-base),
+    on an engine whose group_opener opened `group`."""
+    from runtime.engines.torch.shard import ShardedTrainSession
+
+    return ShardedTrainSession(engine, model_dir, spec, tensors, opt, seed, group)
+
+
 def group_launcher(name: str) -> Callable[..., int] | None:
     """What starts this node's ranks of a multi-process group on engine `name` (torch's elastic
     agent, as torchrun runs it), or None when the engine runs one process only. An ImportError

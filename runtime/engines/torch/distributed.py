@@ -24,9 +24,11 @@ import torch
 import torch.distributed as dist
 
 from runtime.base.errors import SpillpackError
+from runtime.base.signals import PROMISE_S, process_handler
 
 # Long enough for rank 0 to write a merged model while the others wait at the last barrier.
 TIMEOUT = datetime.timedelta(minutes=30)
+SHARD_TIMEOUT_MIN_S = 30.0  # the shard group's timeout: the job's grace, never less than this
 
 
 def _collective(fn):
@@ -60,6 +62,11 @@ class ProcessGroup:
             self.backend, self.device = "gloo", torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group(self.backend, timeout=TIMEOUT)
+        # The group a sharded base's gathers run on (runtime/engines/torch/shard.py), made here where
+        # every rank makes it at the same point: they wait only on the other ranks' share of the same
+        # step, so a rank that is gone ends them within the job's grace, not TIMEOUT.
+        grace = getattr(process_handler(), "promise_s", PROMISE_S)
+        self.shard_group = dist.new_group(timeout=datetime.timedelta(seconds=max(SHARD_TIMEOUT_MIN_S, grace)))
         self.hosts = self._gather_hosts()
 
     @property

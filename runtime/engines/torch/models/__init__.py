@@ -29,16 +29,19 @@ def model_file(arch):
     return importlib.import_module(f"{__name__}.{arch.module}")
 
 
-def load_weights(files, dtype, device) -> dict:
-    """Tensor by tensor: each is converted (and moved) before the next is read, so the host
-    never holds the file's copy beside the converted one."""
-    weights = {}
-    for name, kind, array in read_tensors(files):
+def converted_tensors(files, dtype, device, rows=None):
+    """(name, tensor) in `dtype` on `device`, one at a time (read_tensors' `rows`: part of each)."""
+    for name, kind, array in read_tensors(files, rows):
         t = torch.from_numpy(array)
         if kind == "BF16":
             t = t.view(torch.bfloat16)
-        weights[name] = t.to(device=device, dtype=dtype)
-    return weights
+        yield name, t.to(device=device, dtype=dtype)
+
+
+def load_weights(files, dtype, device) -> dict:
+    """Tensor by tensor: each is converted (and moved) before the next is read, so the host
+    never holds the file's copy beside the converted one."""
+    return dict(converted_tensors(files, dtype, device))
 
 
 def load_checkpoint(model_dir: "ModelDir", dtype=torch.float32, device="cpu") -> dict:
