@@ -43,6 +43,7 @@ g = ProcessGroup("torch-cpu")
 engine = get_engine("torch-cpu", "float32", width=md.config["hidden_size"], training=True)
 spec = LoraSpec(rank=8, alpha=16.0, targets=("q_proj", "v_proj"), dropout=0.0)
 tensors = init_tensors(md.config, spec, 0)
+import runtime.engines.torch.shard  # noqa: F401 (FSDP2's modules, imported in both cases: code, not the base)
 held = rss()
 before, peak_before = rss(), peak()
 s = (sharded_session(engine, g, md, spec, tensors, OptimSpec(), 0) if shard else engine.train_session(md, spec, tensors, OptimSpec(), 0))
@@ -54,10 +55,13 @@ for step in range(steps):
     loss, tokens = s.forward_backward([(ids, labels, np.arange(rows))], rows * (seq - 1), step)
     g.sum_gradients(s, loss, tokens)
     s.apply(1e-4)
+from runtime.base.heap import trim_heap
+trim_heap()
+between = rss()  # after the steps, the freed pages handed back: what a rank holds from one step to the next
 params = sum(math.prod(x) for x in tensor_shapes(weight_files(md.path)).values())
 plan = estimate(md.config, spec.targets, spec.rank, 4, Batch(rows, seq, rows * (seq - 1)), False, held / 2**30 + STEP_RUNTIME_GB,
                 params, False, g.world if shard else 1)
-print(json.dumps({"rank": g.rank, "resident_base": after - before, "load_peak": max(0, load_peak - max(before, peak_before)),
+print(json.dumps({"rank": g.rank, "resident_base": after - before, "between_steps": between - before, "before": before, "load_peak": max(0, load_peak - max(before, peak_before)),
                   "step_peak": peak(), "planned_peak": plan.peak_gb * 2**30, "planned_weights": plan.weights_gb * 2**30}), flush=True)
 g.finish()
 '''
@@ -92,11 +96,13 @@ def main():
           f"{mib((model / 'model.safetensors').stat().st_size)})")
     for name, rows in (("whole base", whole), ("split base", split)):
         for r in rows:
-            print(f"  {name}, rank {r['rank']}: resident base {mib(r['resident_base'])}, load peak +{mib(r['load_peak'])}, "
+            print(f"  {name}, rank {r['rank']}: resident base {mib(r['resident_base'])} (between steps {mib(r['between_steps'])}), "
+                  f"load peak +{mib(r['load_peak'])}, process before the model {mib(r['before'])}, "
                   f"step peak RSS {mib(r['step_peak'])}, planned {mib(r['planned_peak'])} "
                   f"(planned/measured {r['planned_peak'] / r['step_peak']:.3f})")
     ratio = lambda key: max(s[key] for s in split) / min(w[key] for w in whole)
-    print(f"split / whole, the worst rank: resident base {ratio('resident_base'):.3f}x, load peak {ratio('load_peak'):.3f}x, "
+    print(f"split / whole, the worst rank: resident base {ratio('resident_base'):.3f}x (between steps "
+          f"{ratio('between_steps'):.3f}x), load peak {ratio('load_peak'):.3f}x, "
           f"step peak {ratio('step_peak'):.3f}x")
     print("load average:", os.getloadavg())
 

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from runtime.base.errors import SpillpackError
+from runtime.base.heap import trim_heap
 from runtime.engines.torch.distributed import _collective
 from runtime.engines.torch.engine import TorchTrainSession, apply_lora, freeze, step_loss
 from runtime.engines.torch.models import converted_tensors, model_file
@@ -99,6 +100,7 @@ class ShardedTrainSession(TorchTrainSession):
                 local.copy_(rows)
             for n, p in params.items():
                 p.copy_(torch.from_numpy(tensors[n]).to(device))
+        trim_heap()  # the rows read, each freed once copied into its shard: their pages back to the system
         self.root = root
         return model, params
 
