@@ -113,6 +113,54 @@ def test_auto_splits_the_base_only_where_the_whole_does_not_fit(home, monkeypatc
         tune.prepare(inv())
 
 
+def test_an_abandoned_quantum_that_holds_collectives_is_not_agreed_on():
+    """A sharded step abandoned on one rank (a second signal, a step longer than the grace): the
+    others may wait in one of its gathers, so this rank discards it, commits and leaves without
+    another collective, and does not wait at the group's last barrier."""
+    from runtime.base.signals import Abandon, Preemption
+    from runtime.core.events import Events
+    from runtime.core.job import Job
+
+    class Group:
+        agreed: list = []
+
+        def any(self, flag):
+            self.agreed.append(flag)
+            return flag
+
+        def finish(self):
+            raise AssertionError("waited at the barrier after leaving in the middle of a quantum")
+
+    class Work:
+        lockstep, done, discarded, commits = True, 3, 0, 0
+
+        def remaining(self):
+            return True
+
+        def quantum(self):
+            raise Abandon()
+
+        def discard(self):
+            self.discarded += 1
+
+        def commit(self):
+            self.commits += 1
+
+    class Notices:
+        def stop(self):
+            pass
+
+        def committed(self):
+            pass
+
+    group, work = Group(), Work()
+    job = Job("tune", "t", Events("tune", True, quiet=True), "torch-cpu", "", None, Preemption(), Notices(), group)
+    assert job.run(work).code == 75
+    assert group.agreed == [False]  # the stop flag before the quantum, nothing after it
+    assert (work.discarded, work.commits, job.group_lost) == (1, 1, True)
+    job.close()
+
+
 def test_on_with_one_rank_is_a_usage_line(home, tmp_path):
     r = run_cli(BASE + ["--state", str(tmp_path / "s"), *SHARDED])
     one_line(r, "--shard-base on", "one process", code=2)
