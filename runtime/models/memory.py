@@ -263,7 +263,8 @@ def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, bat
             plan.tried = tried
             return plan
     last = tried[-1]
-    raise NoFit(_no_fit_line(last, mode), _suggestion(config, targets, rank, act_bytes, last, runtime_gb, params, max_seq, dropout))
+    raise NoFit(_no_fit_line(last, mode),
+                _suggestion(config, targets, rank, act_bytes, last, runtime_gb, params, max_seq, dropout, shards))
 
 
 def _no_fit_line(last: Plan, mode: str) -> str:
@@ -272,16 +273,16 @@ def _no_fit_line(last: Plan, mode: str) -> str:
     return f"tune needs about {last.estimate.peak_gb:.1f} GB at micro-batch 1 {how}; {where} {last.available_gb:.1f} GB"
 
 
-def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params, max_seq, dropout) -> str:
+def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params, max_seq, dropout, shards: int = 1) -> str:
     """The longest --max-seq that would fit at micro-batch 1 with checkpointing, else the memory needed."""
     longest = last.longest
     seq = min(max_seq or longest.seq, longest.seq)
     while seq >= 32:
         seq //= 2
         shorter = Batch(1, seq, max(1, longest.targets * seq // max(1, longest.seq)))
-        if estimate(config, targets, rank, act_bytes, shorter, True, runtime_gb, params, dropout).peak_gb <= last.available_gb:
+        if estimate(config, targets, rank, act_bytes, shorter, True, runtime_gb, params, dropout, shards).peak_gb <= last.available_gb:
             return f"spillpack tune ... --max-seq {seq}"
-    floor = estimate(config, targets, rank, act_bytes, Batch(1, 32, 16), True, runtime_gb, params, dropout).peak_gb
+    floor = estimate(config, targets, rank, act_bytes, Batch(1, 32, 16), True, runtime_gb, params, dropout, shards).peak_gb
     return f"a machine with at least {floor:.1f} GB free (the weights alone need {last.estimate.weights_gb:.1f} GB), or a smaller model"
 
 
