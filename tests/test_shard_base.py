@@ -14,6 +14,8 @@ from conftest import events_of, one_line, run_cli
 from test_distributed import BASE, DATA, assert_close, history, ranks_of, signal_at_step
 
 SHARDED = ["--shard-base", "on"]
+# The whole jobs share one data-parallel run to compare with: one worker of `make test` runs them all.
+WHOLE_JOB = pytest.mark.xdist_group("shard-base")
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +179,7 @@ def test_on_with_an_engine_without_process_groups_is_one_line(home, tmp_path):
 
 
 @pytest.mark.slow
+@WHOLE_JOB
 def test_sharded_matches_the_data_parallel_tune(home, tmp_path, data_parallel):
     """24 steps on 2 ranks with the base split: the adapter and every step's loss within 1e-5 of
     the data-parallel tune's, in the same PEFT layout; the start event says it is split and why."""
@@ -193,6 +196,7 @@ def test_sharded_matches_the_data_parallel_tune(home, tmp_path, data_parallel):
 
 
 @pytest.mark.slow
+@WHOLE_JOB
 def test_sigterm_to_one_sharded_rank_stops_all_and_resumes_unsharded_on_one(home, tmp_path, data_parallel):
     """SIGTERM to rank 1 only: both ranks exit 75 at the same step, rank 0 commits once; the job
     then ends as one process with the whole base, and matches the data-parallel tune."""
@@ -214,6 +218,7 @@ def test_sigterm_to_one_sharded_rank_stops_all_and_resumes_unsharded_on_one(home
 
 
 @pytest.mark.slow
+@WHOLE_JOB
 def test_a_sharded_rank_killed_hard_ends_the_group_and_the_rerun_resumes(home, tmp_path, data_parallel):
     """SIGKILL to rank 1 in the middle of a step: rank 0, waiting in a gather, loses its group and
     says so in one line (exit 1) well within the grace; the same sharded command continues from

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 from runtime.base.errors import SpillpackError
 from runtime.base.heap import trim_heap
-from runtime.engines.torch.distributed import _collective
+from runtime.engines.torch.distributed import collective
 from runtime.engines.torch.engine import TorchTrainSession, apply_lora, freeze, step_loss
 from runtime.engines.torch.models import converted_tensors, model_file
 from runtime.engines.torch.models.layout import SEPARATE, base_linear
@@ -121,9 +121,9 @@ class ShardedTrainSession(TorchTrainSession):
         labels = torch.tensor([[-100, self.pad_id]], dtype=torch.long, device=dev)
         (self._forward_loss(ids, labels, self.loss_chunk, 0.0) * 0.0).backward()
 
-    forward_backward = _collective(TorchTrainSession.forward_backward)
+    forward_backward = collective(TorchTrainSession.forward_backward)
 
-    @_collective
+    @collective
     def evaluate(self, micro_batches):
         try:
             return super().evaluate(micro_batches)
