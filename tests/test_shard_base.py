@@ -1,6 +1,6 @@
 """`tune --shard-base`: the frozen base split across the ranks with FSDP2 (gloo on CPU). The
-same adapter and losses as the data-parallel tune, a checkpoint that resumes unsharded on one
-process, preemption by a signal to one rank, a rank killed hard, and what it refuses.
+same adapter and losses as the data-parallel tune, preemption by a signal to one rank (resumed
+sharded bit for bit, and unsharded on one process), a rank killed hard, and what it refuses.
 
 Every rank runs with OMP_NUM_THREADS=1 (test_distributed.py's helpers)."""
 
@@ -9,9 +9,11 @@ import signal
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from conftest import events_of, one_line, run_cli
-from test_distributed import BASE, DATA, assert_close, history, ranks_of, signal_at_step
+from tests.support.jobproc import start
+from test_distributed import BASE, DATA, assert_close, history, losses_of, ranks_of, signal_at_step
 
 SHARDED = ["--shard-base", "on"]
 # The whole jobs share one data-parallel run to compare with: one worker of `make test` runs them all.
@@ -178,21 +180,59 @@ def test_on_with_an_engine_without_process_groups_is_one_line(home, tmp_path):
 # -- whole jobs --------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def sharded(tiny_home, tmp_path_factory):
+    """The same tune with the base split across its 2 ranks, uninterrupted: (state, events)."""
+    state = tmp_path_factory.mktemp("sharded") / "state"
+    r = run_cli(BASE + ["--state", str(state), "--nproc", "2", *SHARDED],
+                env={"SPILLPACK_HOME": str(tiny_home), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return state, events_of(r.stdout)
+
+
 @pytest.mark.slow
 @WHOLE_JOB
-def test_sharded_matches_the_data_parallel_tune(home, tmp_path, data_parallel):
+def test_sharded_matches_the_data_parallel_tune(sharded, data_parallel):
     """24 steps on 2 ranks with the base split: the adapter and every step's loss within 1e-5 of
     the data-parallel tune's, in the same PEFT layout; the start event says it is split and why."""
-    state = tmp_path / "s"
-    r = run_cli(BASE + ["--state", str(state), "--nproc", "2", *SHARDED], env={"OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    ev = events_of(r.stdout)
+    state, ev = sharded
     start = [e for e in ev if e["event"] == "start"][0]
     assert start["shard_base"] is True and start["shard_reason"] == "--shard-base on: the base split across 2 ranks"
     assert "the base split across 2 ranks" in start["message"]
     assert [e["step"] for e in ev if e["event"] == "step"] == list(range(1, 25))
     assert_close(state / "adapter", data_parallel)
     assert json.loads((state / "adapter" / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+
+@pytest.mark.slow
+@WHOLE_JOB
+def test_sigterm_to_one_rank_under_nproc_exits_75_and_resumes_bit_identical(home, tmp_path, sharded):
+    """`--nproc 2 --shard-base on`, SIGTERM to rank 1's process alone (not to the launcher): the
+    launcher exits 75 after one commit; the same command resumes sharded at the same world size
+    and ends with the uninterrupted sharded run's adapter and losses, bit for bit."""
+    import psutil
+
+    args = BASE + ["--state", str(tmp_path / "s"), "--nproc", "2", *SHARDED]
+    p = start(args, env={"OMP_NUM_THREADS": "1"})
+    events, sent = [], False
+    for line in p.stdout:
+        events.append(json.loads(line))
+        if not sent and events[-1]["event"] == "step" and events[-1]["step"] == 5:
+            rank1 = [c for c in psutil.Process(p.pid).children(recursive=True) if c.environ().get("RANK") == "1"]
+            assert len(rank1) == 1
+            rank1[0].send_signal(signal.SIGTERM)
+            sent = True
+    assert p.wait(timeout=300) == 75, p.stderr.read()
+    stopped = [e for e in events if e["event"] == "preempted"][0]["step"]
+    assert [e["step"] for e in events if e["event"] == "checkpoint"].count(stopped) == 1
+
+    r = run_cli(args, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [e for e in events_of(r.stdout) if e["event"] == "restore"][0]["step"] == stopped
+    whole = sharded[0] / "adapter"
+    a, b = load_file(str(tmp_path / "s" / "adapter" / "adapter_model.safetensors")), load_file(str(whole / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert losses_of(tmp_path / "s" / "adapter") == losses_of(whole)
 
 
 @pytest.mark.slow
