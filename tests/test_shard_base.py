@@ -117,6 +117,23 @@ def test_auto_splits_the_base_only_where_the_whole_does_not_fit(home, monkeypatc
         tune.prepare(inv())
 
 
+def test_a_base_with_loss_scaling_is_never_split(monkeypatch):
+    """A float16 base (CUDA without bfloat16) scales its loss and may retry a step on one rank:
+    `on` is one line, `auto` keeps the whole base."""
+    from types import SimpleNamespace
+
+    from runtime.base.errors import SpillpackError
+    from runtime.jobs import sizing
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    engine = SimpleNamespace(precision=SimpleNamespace(loss_scaling=True, name="float16"))
+    with pytest.raises(SpillpackError, match="does not run a float16 base with loss scaling"):
+        sizing.plan_shards("torch-cuda", engine, None, None, None, None, 1, {"shard_base": "on"})
+    monkeypatch.setattr(sizing, "plan_tune", lambda *a: SimpleNamespace())
+    plan = sizing.plan_shards("torch-cuda", engine, None, None, None, None, 1, {"shard_base": "auto"})
+    assert plan.shards == 1
+
+
 def test_an_abandoned_quantum_that_holds_collectives_is_not_agreed_on():
     """A sharded step abandoned on one rank (a second signal, a step longer than the grace): the
     others may wait in one of its gathers, so this rank discards it, commits and leaves without

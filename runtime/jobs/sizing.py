@@ -69,7 +69,12 @@ def plan_shards(engine_name: str, engine, model_dir, spec, data, order, total: i
     rank's memory and the ranks can share it."""
     mode, world = o.get("shard_base") or "off", ranks.world_size()
     plan_at = lambda shards: plan_tune(engine_name, engine, model_dir, spec, data, order, total, o, shards)
+    # A rank that retries a step at a smaller loss scale would gather its layers alone.
+    scaled = getattr(getattr(engine, "precision", None), "loss_scaling", False)
     if mode == "on":
+        if scaled:
+            raise SpillpackError(f"--shard-base on does not run a {engine.precision.name} base with loss scaling",
+                                 "the same command with --dtype bfloat16 or float32, or --shard-base off")
         if group_opener(engine_name) is None:
             raise SpillpackError(f"--shard-base on splits the base across the ranks of a process group, and the {engine_name} "
                                  f"engine has none", "the same command with --engine torch-cpu (or torch-cuda) and --nproc 2, "
@@ -79,7 +84,7 @@ def plan_shards(engine_name: str, engine, model_dir, spec, data, order, total: i
                              "the same command with --nproc 2 (or under torchrun), or --shard-base off")
         shards, why = world, f"--shard-base on: the base split across {world} ranks"
         plan = plan_at(shards)
-    elif mode == "auto" and world > 1 and group_opener(engine_name) is not None:
+    elif mode == "auto" and world > 1 and group_opener(engine_name) is not None and not scaled:
         try:
             shards, why = 1, "--shard-base auto: the whole base fits one rank's memory"
             plan = plan_at(shards)

@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from runtime.base.errors import SpillpackError
 from runtime.base.heap import trim_heap
 from runtime.engines.torch.distributed import collective
 from runtime.engines.torch.engine import TorchTrainSession, apply_lora, freeze, step_loss
@@ -57,9 +56,9 @@ class ShardedTrainSession(TorchTrainSession):
     lockstep = True  # every rank runs as many passes a step (TuneWork pads a short share with idle ones)
 
     def __init__(self, engine, model_dir, spec, tensors, opt, seed, group):
-        if engine.precision.loss_scaling:  # a rank that retries a step at a smaller scale would gather alone
-            raise SpillpackError(f"--shard-base does not run a {engine.precision.name} base with loss scaling",
-                                 "the same command with --dtype bfloat16 or float32, or --shard-base off")
+        # Never with loss scaling (runtime.jobs.sizing.plan_shards): a rank that retried a step at a
+        # smaller scale would gather alone.
+        assert not engine.precision.loss_scaling
         self.group, self.rank, self.world = group, group.rank, group.world
         super().__init__(engine, model_dir, spec, tensors, opt, seed)
 
