@@ -29,12 +29,13 @@ import orjson
 from runtime.base import place, ranks, threads
 from runtime.base.allotment import cpus
 from runtime.core import requeue
+from runtime import trackers
 from runtime.core.events import Events
 from runtime.core.notices import NoticeWatcher, start_watcher
 from runtime.base.signals import PROMISE_S, Abandon, Preemption, grace_from_env, install_process_handler
 from runtime.engines.registry import base_dtype, get_engine, group_opener, kept_base_dtype
 from runtime.engines.hardware import choose_engine
-from runtime.base.errors import EXIT_OK, EXIT_PREEMPTED, SpillpackError
+from runtime.base.errors import EXIT_OK, EXIT_PREEMPTED, SpillpackError, redact
 from runtime.base.fileio import sha256_bytes
 from runtime.base.paths import spillpack_home
 from runtime.state.jobstate import JobState
@@ -110,6 +111,7 @@ class Job:
     _progress_at: float = 0.0
     state_step: int | None = None  # steps or rows done, as last reported: for the history's records
     kept_dtype: str | None = None  # the base dtype this job's last process on this engine ran (its history)
+    reporter: object | None = None  # --report-to's trackers (runtime/trackers/), fed this job's events
 
     PROGRESS_EVERY_S = 1.0
 
@@ -129,6 +131,9 @@ class Job:
         preemption.expected_step_s = 0.0  # a build's stage does not inherit the previous stage's step times
         preemption.check()
         preemption.started()
+        report_to = trackers.wanted(o.get("report_to"), inv.command)
+        if report_to:  # before anything is written: a tracker that is missing or cannot write fails the start
+            trackers.check(report_to, state_uri(o), o["name"], inv.command)
         engine_name, reason = choose_engine(o.get("engine"))
         events.engine = engine_name
         group = open_group(engine_name, inv.command)
@@ -157,8 +162,10 @@ class Job:
                               "row" if inv.command in ("run", "eval", "distill") else "step", history)
         on_place = (lambda info: state.log("place", **info)) if state is not None else None
         notices = start_watcher(o.get("preemption_notice"), preemption, on_place=on_place)
+        reporter = open_reporter(report_to, inv, root, state, history, engine_name, events) if report_to and state is not None else None
         return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices, group,
-                   root.uri if root is not None else uri, root=root if shard is not None else None, kept_dtype=kept_dtype)
+                   root.uri if root is not None else uri, root=root if shard is not None else None, kept_dtype=kept_dtype,
+                   reporter=reporter)
 
     def engine_dtype(self, asked: str | None) -> tuple[str | None, str | None]:
         """The base dtype this process's engine takes and why (runtime.engines.registry.base_dtype):
@@ -199,6 +206,12 @@ class Job:
     def close(self, failed: bool = False) -> None:
         # The process's handler stays: a stop after the job's end leaves the exit code alone.
         self.notices.stop()
+        if self.reporter is not None:  # flushed within a few seconds (a preempted job still exits within its grace)
+            self.events.detach(self.reporter)
+            self.reporter.close()
+            for message in self.reporter.warnings():
+                self.events.emit("warning", message=message)
+            self.reporter = None
         # The other ranks wait here for rank 0's last commit; a failed rank does not wait
         # (the launcher ends the group when it exits).
         if self.group is not None and not failed:
@@ -299,6 +312,29 @@ class Job:
         self.events.emit("done", step=step, complete=complete, stopped_early=not complete if stopped_early is None else stopped_early,
                          seconds=round(self.elapsed(), 3), **summary)
         return Outcome(EXIT_OK, complete, {**summary, **({"stopped_early": stopped_early} if stopped_early is not None else {})})
+
+
+def open_reporter(names: list[str], inv, root: JobState, state: JobState, history: list[dict], engine: str, events: Events):
+    """The trackers' reporter, attached to `events`: one tracker run per job, recorded in the job's
+    state (`root`); `state`'s history (a shard's own) says whether the previous process was hard killed."""
+    from runtime.trackers.reporter import Reporter
+
+    config = inv.to_config()
+    params = {k: redact(v) if isinstance(v, str) else v for k, v in {**config["arguments"], **config["options"]}.items() if v is not None}
+    context = {"state": root, "state_uri": root.uri, "job": inv.options["name"], "command": inv.command, "host": state.host,
+               "engine": engine, "params": {"command": inv.command, **params}}
+    before = requeue.starts(history, state.progress())[:-1]  # the starts before this one
+    if before and before[-1].killed:
+        last = before[-1]
+        unit = "row" if inv.command in ("run", "eval", "distill") else "stage" if inv.command == "build" else "step"
+        committed = max(last.committed) if last.committed else last.began
+        reached = max(last.reached or 0, committed)
+        context["hard_kill"] = {"committed": committed, "text": (
+            f"hard kill: the previous process left no end record (SIGKILL, out of memory or a lost machine); last commit at "
+            f"{unit} {committed}, reached {unit} {reached}: {reached - committed} {unit}(s) done again")}
+    reporter = Reporter(names, context)
+    events.attach(reporter)
+    return reporter
 
 
 def open_group(engine_name: str, command: str):

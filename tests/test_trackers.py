@@ -1,0 +1,222 @@
+"""--report-to: one tracker run per job across its preemptions, read back by each tracker's own
+reader (TensorBoard's EventAccumulator, MlflowClient, W&B's offline run folders).
+
+One job is SIGTERMed twice, SIGKILLed once (past its last checkpoint, so steps are done
+again) and then finished, with real processes and real signals; an uninterrupted job with the
+same options is the oracle for every curve."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, events_of, one_line, run_cli
+from tests.support.jobproc import run_until
+
+DATA = str(REPO / "examples/data/train.jsonl")
+STEPS = 60
+BASE = ["tune", "tiny", DATA, "--steps", str(STEPS), "--batch", "4", "--lr", "2e-3", "--warmup", "3",
+        "--targets", "q_proj,v_proj", "--rank", "4", "--ckpt-every", "10"]
+ALL = ["--report-to", "tensorboard,mlflow", "--report-to", "wandb"]  # comma-separated and repeated
+SECRETS = {"WANDB_API_KEY": "wandb-secret-4f1e9a", "MLFLOW_TRACKING_TOKEN": "mlflow-secret-7c2b0d"}
+TRACKER_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true", **SECRETS}
+
+
+def _at(step):
+    return lambda e: e["event"] == "step" and e["step"] == step
+
+
+def _caught_up(state, past: int):
+    """For the SIGKILL: true at a step past `past` once the trackers of this process have the
+    steps after its last checkpoint (TensorBoard) and that checkpoint's steps (MLflow), so the
+    kill leaves logged steps that the next process does again."""
+    seen = {"ckpt": None}
+
+    def when(e):
+        if e["event"] == "checkpoint":
+            seen["ckpt"] = e["step"]
+        c = seen["ckpt"]
+        # Early in a checkpoint interval: the signal lands a few steps later than it is sent, still before the next commit.
+        if e["event"] != "step" or e["step"] <= past or c is None or not 2 <= e["step"] - c <= 4:
+            return False
+        newest = max((state / "tensorboard").glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+        metric = list((state / "mlruns").glob("*/*/metrics/train/loss"))
+        mlflow_steps = {int(line.split()[2]) for line in metric[0].read_text().splitlines()} if metric else set()
+        return max(_file_steps(newest), default=0) > c and c in mlflow_steps
+    return when
+
+
+def _file_steps(path):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [e.step for e in EventFileLoader(str(path)).Load() if e.HasField("summary") and e.summary.value[0].tag == "train/loss"]
+
+
+@pytest.fixture(scope="module")
+def jobs(tiny_home, tmp_path_factory):
+    """The reference (uninterrupted) and the interrupted job, each with every tracker."""
+    root = tmp_path_factory.mktemp("trackers")
+    env = {"SPILLPACK_HOME": str(tiny_home), **TRACKER_ENV}
+    ref = run_cli(BASE + ALL + ["--state", str(root / "ref")], env=env)
+    assert ref.returncode == 0, ref.stderr
+    args = BASE + ALL + ["--state", str(root / "job")]
+    runs = []
+    for when, sig in ((_at(3), signal.SIGTERM), (_at(9), signal.SIGTERM), (_caught_up(root / "job", 20), signal.SIGKILL)):
+        rc, events, err = run_until(args, when, sig=sig, env=env)
+        assert rc == (75 if sig == signal.SIGTERM else -signal.SIGKILL), err
+        runs.append(events)
+    last = run_cli(args, env=env)
+    assert last.returncode == 0, last.stderr
+    runs.append(events_of(last.stdout))
+    return {"ref": root / "ref", "job": root / "job", "runs": runs, "stderr": last.stderr, "ref_events": events_of(ref.stdout)}
+
+
+def _losses(events):
+    return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+
+
+def test_the_job_was_cut_where_the_test_says(jobs):
+    """Two preemptions, then a hard kill past a checkpoint: steps done twice, which no tracker may show twice."""
+    runs = jobs["runs"]
+    assert [e["event"] for e in runs[0] + runs[1] if e["event"] == "preempted"] == ["preempted", "preempted"]
+    killed_at = max(_losses(runs[2]))
+    committed = max(e["step"] for e in runs[2] if e["event"] == "checkpoint")
+    assert killed_at > committed  # steps past the last checkpoint, done again by the last process
+    assert min(_losses(runs[3])) == committed + 1
+    assert not any(e["event"] == "warning" for run in runs for e in run)
+
+
+def _scalars(logdir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc, [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_tensorboard_shows_one_curve_equal_to_the_uninterrupted_one(jobs):
+    import numpy as np
+
+    acc, curve = _scalars(jobs["job"] / "tensorboard", "train/loss")
+    _, ref = _scalars(jobs["ref"] / "tensorboard", "train/loss")
+    assert [s for s, _ in curve] == list(range(1, STEPS + 1))  # each step exactly once
+    assert curve == ref
+    expected = _losses(jobs["ref_events"])
+    assert [v for _, v in curve] == [np.float32(expected[s]).item() for s in range(1, STEPS + 1)]
+    assert len(list((jobs["job"] / "tensorboard").glob("events.out.tfevents.*"))) == 4  # one file per process, one log dir
+    seams = {tag.split("/")[1] for tag in acc.Tags()["tensors"] if tag.startswith("seams/")}
+    assert {"interrupted", "resumed", "hard_kill", "done"} <= seams
+    text = acc.Tensors("seams/hard_kill/text_summary")[0].tensor_proto.string_val[0].decode()
+    committed = max(e["step"] for e in jobs["runs"][2] if e["event"] == "checkpoint")
+    assert "hard kill" in text and f"last commit at step {committed}" in text
+    if os.environ.get("SPILLPACK_TRACKERS_PNG"):  # docs/trackers-curve.png is this test's curve, drawn
+        _draw(curve, jobs["runs"], os.environ["SPILLPACK_TRACKERS_PNG"])
+
+
+def _draw(curve, runs, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=110)
+    ax.plot([s for s, _ in curve], [v for _, v in curve], color="#1f77b4", lw=1.6, label="train/loss (TensorBoard, 4 processes)")
+    for n, run in enumerate(runs[:2]):
+        step = next(e["step"] for e in run if e["event"] == "preempted")
+        ax.axvline(step, color="#d62728", ls="--", lw=1, label="SIGTERM: checkpoint, exit 75" if n == 0 else None)
+    committed = max(e["step"] for e in runs[2] if e["event"] == "checkpoint")
+    reached = max(_losses(runs[2]))
+    ax.axvspan(committed, reached, color="#ff7f0e", alpha=0.25, label=f"SIGKILL: steps {committed + 1}-{reached} done again, shown once")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("one tune, one TensorBoard run, across its preemptions")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def test_no_report_to_imports_no_tracker(home, tmp_path):
+    code = ("import sys\nfrom runtime.cli import main\n"
+            f"code = main({BASE[:3] + ['--steps', '2', '--state', str(tmp_path / 's')]!r})\n"
+            "assert code == 0, code\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorboardX', 'tensorboard', 'mlflow', 'wandb', "
+            "'runtime') and (m.split('.')[0] != 'runtime' or m.startswith('runtime.trackers.')))\n"
+            "print(loaded)\nassert loaded == [], loaded\n")
+    env = {**os.environ, "SPILLPACK_HEADLESS": "1"}
+    env.pop("SPILLPACK_REPORT_TO", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert not (tmp_path / "s" / "trackers").exists()
+
+
+def test_unknown_tracker_is_a_usage_error(home, tmp_path):
+    r = run_cli(BASE[:3] + ["--report-to", "tensorboard,comet", "--state", str(tmp_path / "s")])
+    one_line(r, "--report-to 'comet'", "tensorboard, mlflow, wandb", code=2)
+    r = run_cli(BASE[:3] + ["--state", str(tmp_path / "s")], env={"SPILLPACK_REPORT_TO": "neptune"})
+    one_line(r, "'neptune'", code=2)
+    assert not (tmp_path / "s").exists()
+
+
+def test_missing_library_and_unwritable_dir_fail_before_the_job(home, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('import sys\nsys.modules["wandb"] = None\n')
+    r = run_cli(BASE[:3] + ["--report-to", "wandb", "--state", str(tmp_path / "s")], env={"PYTHONPATH": f"{site}:{REPO}"})
+    one_line(r, "--report-to wandb needs wandb", "pip install 'spillpack[wandb]'")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = run_cli(BASE[:3] + ["--report-to", "tensorboard", "--state", str(tmp_path / "s")],
+                env={"SPILLPACK_TENSORBOARD_DIR": str(blocker / "tb")})
+    one_line(r, "--report-to tensorboard: cannot write its log dir", "SPILLPACK_TENSORBOARD_DIR=")
+    assert not (tmp_path / "s").exists()
+
+
+def test_mlflow_sees_one_run_with_the_uninterrupted_history(jobs):
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    def history(state):
+        record = json.loads((state / "trackers" / "mlflow.json").read_text())
+        client = MlflowClient(tracking_uri=(state / "mlruns").as_uri())
+        runs = client.search_runs([record["experiment_id"]])
+        return client, record, runs, [(m.step, m.value) for m in client.get_metric_history(record["run_id"], "train/loss")]
+
+    client, record, runs, curve = history(jobs["job"])
+    _, _, _, ref = history(jobs["ref"])
+    assert [r.info.run_id for r in runs] == [record["run_id"]]  # one run for the four processes
+    assert sorted(s for s, _ in curve) == list(range(1, STEPS + 1))  # each step once, the redone ones too
+    assert sorted(curve) == sorted(ref)
+    run = client.get_run(record["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["steps"] == str(STEPS) and run.data.params["command"] == "tune"
+    seams = sorted(k.rsplit(".", 1)[1] for k in run.data.tags if k.startswith("spillpack.seam."))
+    assert seams.count("interrupted") == 2 and seams.count("resumed") == 3 and seams.count("hard_kill") == 1
+    note = run.data.tags["mlflow.note.content"]
+    assert "interrupted by SIGTERM" in note and "hard kill" in note and "resumed at step" in note
+    assert [(m.step, m.value) for m in client.get_metric_history(record["run_id"], "result/final_loss")] == \
+        [(STEPS, jobs["ref_events"][-1]["final_loss"])]
+
+
+def test_wandb_offline_is_one_run_across_the_processes(jobs):
+    record = json.loads((jobs["job"] / "trackers" / "wandb.json").read_text())
+    folders = sorted((jobs["job"] / "wandb").glob("offline-run-*"))
+    assert len(folders) == 4  # one folder per process, `wandb sync` joins them
+    assert {f.name.rsplit("-", 1)[1] for f in folders} == {record["id"]}
+    for f in folders:
+        assert (f / f"run-{record['id']}.wandb").stat().st_size > 0
+
+
+def test_credentials_are_never_written(jobs):
+    """WANDB_API_KEY and MLFLOW_TRACKING_TOKEN were in every process's environment: not one byte
+    of them in the state (its tracker files included) or the events."""
+    for state in (jobs["job"], jobs["ref"]):
+        for p in state.rglob("*"):
+            if p.is_file():
+                data = p.read_bytes()
+                for secret in SECRETS.values():
+                    assert secret.encode() not in data, p
+    for run in jobs["runs"]:
+        assert not any(secret in json.dumps(e) for e in run for secret in SECRETS.values())
