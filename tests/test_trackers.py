@@ -220,3 +220,69 @@ def test_credentials_are_never_written(jobs):
                     assert secret.encode() not in data, p
     for run in jobs["runs"]:
         assert not any(secret in json.dumps(e) for e in run for secret in SECRETS.values())
+
+
+def test_an_eval_logs_its_rows_and_its_score_with_the_interval(home, tmp_path):
+    r = run_cli(["eval", "tiny", str(REPO / "examples/data/evals.jsonl"), "--state", str(tmp_path / "e"), "--report-to", "tensorboard"])
+    assert r.returncode == 0, r.stderr
+    done = events_of(r.stdout)[-1]
+    acc, rows = _scalars(tmp_path / "e" / "tensorboard", "rows/done")
+    assert [s for s, _ in rows] == list(range(1, done["rows"] + 1))
+    got = {tag: acc.Scalars(tag)[0].value for tag in ("result/accuracy", "result/ci95_low", "result/ci95_high")}
+    assert got == pytest.approx({"result/accuracy": done["accuracy"], "result/ci95_low": done["ci95"][0],
+                                 "result/ci95_high": done["ci95"][1]})
+
+
+def test_a_tracking_server_that_is_down_or_hangs_never_fails_the_job(home, tmp_path):
+    """A closed port, then a server that accepts and never answers: each time the job finishes
+    as it would without a tracker, with one warning, and TensorBoard beside it still logs."""
+    import socket
+
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(8)
+    try:
+        for n, uri in enumerate(("http://127.0.0.1:9", f"http://127.0.0.1:{hang.getsockname()[1]}")):
+            state = tmp_path / f"s{n}"
+            r = run_cli(BASE[:3] + ["--steps", "6", "--state", str(state), "--report-to", "mlflow,tensorboard"],
+                        env={"SPILLPACK_MLFLOW_URI": uri, "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"})
+            assert r.returncode == 0, r.stderr
+            events = events_of(r.stdout)
+            assert [e for e in events if e["event"] == "done"][0]["complete"]
+            warnings = [e["message"] for e in events if e["event"] == "warning"]
+            assert len(warnings) == 1 and warnings[0].startswith("--report-to mlflow"), warnings
+            assert [s for s, _ in _scalars(state / "tensorboard", "train/loss")[1]] == list(range(1, 7))
+            assert not (state / "trackers" / "mlflow.json").exists()  # the next process tries again
+    finally:
+        hang.close()
+
+
+def test_pack_carries_the_trackers_wheels_and_the_bundle_logs_with_them(phome, tmp_path, tiny_home):
+    from conftest import clean_env
+
+    job = BASE[:3] + ["--steps", "3", "--state", str(tmp_path / "state"), "--report-to", "tensorboard"]
+    r = run_cli(["pack", *job, "-o", str(tmp_path / "b")], timeout=900)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "b" / "MANIFEST.json").read_text())
+    assert manifest["trackers"] == ["tensorboard"]
+    carried = sorted(p.name for p in (tmp_path / "b" / "wheels").rglob("*.whl"))
+    assert any(w.lower().startswith("tensorboardx-2.6.5-") for w in carried) and any(w.startswith("protobuf-") for w in carried), carried
+    assert not any(w.startswith(("numpy-", "torch-")) for w in carried), carried  # the zipapp's own, and the target's
+    home = tmp_path / "node" / "home"
+    import shutil
+
+    shutil.copytree(tiny_home / "models", home / "models")
+    r = subprocess.run([str(tmp_path / "b" / "run.sh")], capture_output=True, text=True, env=clean_env(home), cwd="/", timeout=300)
+    assert r.returncode == 0, r.stderr
+    installed = list((tmp_path / "b" / ".spillpack").glob("*/*/tensorboardX/__init__.py"))
+    assert installed, "the bundle's tensorboardX was not unpacked on first start"
+    assert [s for s, _ in _scalars(tmp_path / "state" / "tensorboard", "train/loss")[1]] == [1, 2, 3]
+    bundle_bytes = b"".join(p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file() and p.suffix != ".whl")
+    assert not any(secret.encode() in bundle_bytes for secret in SECRETS.values())
+
+
+def test_pack_refuses_wandb_unless_asked_by_name(phome, tmp_path):
+    job = BASE[:3] + ["--steps", "3", "--report-to", "wandb"]
+    r = run_cli(["pack", *job, "-o", str(tmp_path / "b")])
+    one_line(r, "reports to wandb", "--with-tracker wandb")
+    assert not (tmp_path / "b").exists()
