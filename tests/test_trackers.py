@@ -78,6 +78,7 @@ def _losses(events):
     return {e["step"]: e["loss"] for e in events if e["event"] == "step"}
 
 
+@pytest.mark.slow
 def test_the_job_was_cut_where_the_test_says(jobs):
     """Two preemptions, then a hard kill past a checkpoint: steps done twice, which no tracker may show twice."""
     runs = jobs["runs"]
@@ -97,6 +98,7 @@ def _scalars(logdir, tag):
     return acc, [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
+@pytest.mark.slow
 def test_tensorboard_shows_one_curve_equal_to_the_uninterrupted_one(jobs):
     import numpy as np
 
@@ -174,6 +176,7 @@ def test_missing_library_and_unwritable_dir_fail_before_the_job(home, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.slow
 def test_mlflow_sees_one_run_with_the_uninterrupted_history(jobs):
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     from mlflow.tracking import MlflowClient
@@ -200,6 +203,7 @@ def test_mlflow_sees_one_run_with_the_uninterrupted_history(jobs):
         [(STEPS, jobs["ref_events"][-1]["final_loss"])]
 
 
+@pytest.mark.slow
 def test_wandb_offline_is_one_run_across_the_processes(jobs):
     record = json.loads((jobs["job"] / "trackers" / "wandb.json").read_text())
     folders = sorted((jobs["job"] / "wandb").glob("offline-run-*"))
@@ -209,6 +213,7 @@ def test_wandb_offline_is_one_run_across_the_processes(jobs):
         assert (f / f"run-{record['id']}.wandb").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_credentials_are_never_written(jobs):
     """WANDB_API_KEY and MLFLOW_TRACKING_TOKEN were in every process's environment: not one byte
     of them in the state (its tracker files included) or the events."""
@@ -233,6 +238,7 @@ def test_an_eval_logs_its_rows_and_its_score_with_the_interval(home, tmp_path):
                                  "result/ci95_high": done["ci95"][1]})
 
 
+@pytest.mark.slow
 def test_a_tracking_server_that_is_down_or_hangs_never_fails_the_job(home, tmp_path):
     """A closed port, then a server that accepts and never answers: each time the job finishes
     as it would without a tracker, with one warning, and TensorBoard beside it still logs."""
@@ -257,6 +263,7 @@ def test_a_tracking_server_that_is_down_or_hangs_never_fails_the_job(home, tmp_p
         hang.close()
 
 
+@pytest.mark.slow
 def test_pack_carries_the_trackers_wheels_and_the_bundle_logs_with_them(phome, tmp_path, tiny_home):
     from conftest import clean_env
 
@@ -286,3 +293,13 @@ def test_pack_refuses_wandb_unless_asked_by_name(phome, tmp_path):
     r = run_cli(["pack", *job, "-o", str(tmp_path / "b")])
     one_line(r, "reports to wandb", "--with-tracker wandb")
     assert not (tmp_path / "b").exists()
+
+
+def test_a_build_is_one_run_with_its_stages_told_apart(home, tmp_path):
+    r = run_cli(["build", str(REPO / "examples/data"), "--student", "tiny", "--steps", "5", "--state", str(tmp_path / "b"),
+                 "--report-to", "tensorboard"])
+    assert r.returncode == 0, r.stderr
+    acc, curve = _scalars(tmp_path / "b" / "tensorboard", "tune/train/loss")
+    assert [s for s, _ in curve] == [1, 2, 3, 4, 5]
+    assert {"eval-base/accuracy", "eval-tuned/accuracy", "eval-base/rows/done"} <= set(acc.Tags()["scalars"])
+    assert not list((tmp_path / "b" / "stages").glob("*/trackers"))  # the stages log into the build's run, not runs of their own

@@ -162,7 +162,8 @@ class Job:
                               "row" if inv.command in ("run", "eval", "distill") else "step", history)
         on_place = (lambda info: state.log("place", **info)) if state is not None else None
         notices = start_watcher(o.get("preemption_notice"), preemption, on_place=on_place)
-        reporter = open_reporter(report_to, inv, root, state, history, engine_name, events) if report_to and state is not None else None
+        reporter = (open_reporter(report_to, inv, root, state, history, engine_name, events, shard)
+                    if report_to and state is not None else None)
         return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices, group,
                    root.uri if root is not None else uri, root=root if shard is not None else None, kept_dtype=kept_dtype,
                    reporter=reporter)
@@ -314,15 +315,18 @@ class Job:
         return Outcome(EXIT_OK, complete, {**summary, **({"stopped_early": stopped_early} if stopped_early is not None else {})})
 
 
-def open_reporter(names: list[str], inv, root: JobState, state: JobState, history: list[dict], engine: str, events: Events):
+def open_reporter(names: list[str], inv, root: JobState, state: JobState, history: list[dict], engine: str, events: Events,
+                  shard: dict | None = None):
     """The trackers' reporter, attached to `events`: one tracker run per job, recorded in the job's
-    state (`root`); `state`'s history (a shard's own) says whether the previous process was hard killed."""
+    state (`root`); `state`'s history (a shard's own) says whether the previous process was hard killed.
+    The shards of a row job log to the job's one run, each under its own name (`shard-I/...`)."""
     from runtime.trackers.reporter import Reporter
 
     config = inv.to_config()
     params = {k: redact(v) if isinstance(v, str) else v for k, v in {**config["arguments"], **config["options"]}.items() if v is not None}
     context = {"state": root, "state_uri": root.uri, "job": inv.options["name"], "command": inv.command, "host": state.host,
-               "engine": engine, "params": {"command": inv.command, **params}}
+               "engine": engine, "params": {"command": inv.command, **params},
+               "shard": shard["shard"] if shard is not None else None}
     before = requeue.starts(history, state.progress())[:-1]  # the starts before this one
     if before and before[-1].killed:
         last = before[-1]

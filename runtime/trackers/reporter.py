@@ -154,7 +154,7 @@ def translate(r: dict, context: dict) -> list[tuple[str, tuple]]:
     command = context["command"]
     ev = r.get("event")
     stage = r.get("stage")
-    prefix = f"{stage}/" if stage else ""
+    prefix = f"{stage}/" if stage else f"shard-{context['shard']}/" if context.get("shard") is not None else ""
     step = r.get("step")
     out: list[tuple[str, tuple]] = []
     if ev == "step":
@@ -189,10 +189,10 @@ def translate(r: dict, context: dict) -> list[tuple[str, tuple]]:
         values = {}
         for key in ("accuracy", "rows", "failed_rows", "final_loss", "best_val_loss", "best_step"):
             if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool):
-                values[f"result/{key}"] = float(r[key])
+                values[f"{prefix}result/{key}"] = float(r[key])
         ci = r.get("ci95")
         if isinstance(ci, list) and len(ci) == 2:
-            values["result/ci95_low"], values["result/ci95_high"] = float(ci[0]), float(ci[1])
+            values[f"{prefix}result/ci95_low"], values[f"{prefix}result/ci95_high"] = float(ci[0]), float(ci[1])
         if values:
             out.append(("metrics", (step or 0, values)))
         out.append(("committed", (step or 0,)))

@@ -32,10 +32,11 @@ def open(context: dict) -> "TensorBoard":
     fresh = record is None
     if fresh:
         record = state.claim_tracker_run("tensorboard", {"logdir": str(log_dir(context["state_uri"], context["job"]))})
-    # A build's stages each count their steps from 1, so no one step purges them all: it logs committed steps only.
-    build = context["command"] == "build"
-    purge = None if fresh or build else context["start_step"] + 1
-    return TensorBoard(os.environ.get(DIR_ENV) or record["logdir"], purge, committed_only=build, fresh=fresh)
+    # A build's stages each count their steps from 1, and a row job's shards their rows, into one log dir, so no
+    # one step purges what a process redoes: they log committed steps only.
+    several = context["command"] == "build" or context.get("shard") is not None
+    purge = None if fresh or several else context["start_step"] + 1
+    return TensorBoard(os.environ.get(DIR_ENV) or record["logdir"], purge, committed_only=several, fresh=fresh)
 
 
 class TensorBoard:
