@@ -21,7 +21,6 @@ from runtime.base.errors import redact
 from runtime.trackers import module
 
 QUEUE_MAX = 10_000
-CLOSE_WAIT_S = 5.0  # at most this long at the end of a process: a preempted job must exit within its grace
 
 
 class Reporter:
@@ -60,7 +59,7 @@ class Reporter:
             out.append(self._warnings.pop(0))
         return out
 
-    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+    def close(self, wait_s: float) -> None:
         """Flush and close every tracker, waiting at most `wait_s` in all (then a lane is left behind)."""
         deadline = time.monotonic() + wait_s
         for lane in self.lanes:
@@ -68,7 +67,7 @@ class Reporter:
         for lane in self.lanes:
             lane.thread.join(max(0.0, deadline - time.monotonic()))
             if lane.thread.is_alive():
-                self._warnings.append(f"--report-to {lane.name} had not caught up after {wait_s:g} s at the end of this process; "
+                self._warnings.append(f"--report-to {lane.name} had not caught up after {wait_s:.3g} s at the end of this process; "
                                       "what it had not logged yet is left out")
 
 
