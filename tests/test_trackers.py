@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import REPO, events_of, one_line, run_cli
@@ -303,3 +304,73 @@ def test_a_build_is_one_run_with_its_stages_told_apart(home, tmp_path):
     assert [s for s, _ in curve] == [1, 2, 3, 4, 5]
     assert {"eval-base/accuracy", "eval-tuned/accuracy", "eval-base/rows/done"} <= set(acc.Tags()["scalars"])
     assert not list((tmp_path / "b" / "stages").glob("*/trackers"))  # the stages log into the build's run, not runs of their own
+
+
+def _mlflow_server(tmp_path):
+    """`mlflow server` on 127.0.0.1 (the full MLflow, in .venv-mlflow: make setup), in a session of its own."""
+    import socket
+    import time
+    import urllib.request
+
+    exe = REPO / ".venv-mlflow" / "bin" / "mlflow"
+    if not exe.exists():
+        pytest.skip("the full MLflow is not installed: make setup builds .venv-mlflow")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "mlflow-server.log", "w")
+    p = subprocess.Popen([str(exe), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                          "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}", "--default-artifact-root", str(tmp_path / "art")],
+                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                return p, url
+        except OSError:
+            time.sleep(0.5)
+        assert p.poll() is None, (tmp_path / "mlflow-server.log").read_text()[-2000:]
+    os.killpg(p.pid, signal.SIGKILL)
+    pytest.fail("mlflow server did not answer within 120 s")
+
+
+@pytest.mark.slow
+def test_a_real_mlflow_server_gets_one_run_across_a_preemption_and_a_kill_of_it_leaves_the_job_alone(home, tmp_path):
+    from mlflow.tracking import MlflowClient
+    from tests.support.jobproc import start
+
+    server, url = _mlflow_server(tmp_path)
+    try:
+        env = {"SPILLPACK_MLFLOW_URI": url}
+        args = BASE[:3] + ["--steps", "12", "--ckpt-every", "4", "--state", str(tmp_path / "s"), "--report-to", "mlflow"]
+        rc, events, err = run_until(args, _at(6), env=env)
+        assert rc == 75, err
+        r = run_cli(args, env=env)
+        assert r.returncode == 0, r.stderr
+        assert [e["message"] for e in events + events_of(r.stdout) if e["event"] == "warning"] == []
+        record = json.loads((tmp_path / "s" / "trackers" / "mlflow.json").read_text())
+        client = MlflowClient(tracking_uri=url)
+        assert [x.info.run_id for x in client.search_runs([record["experiment_id"]])] == [record["run_id"]]
+        history = [(m.step, m.value) for m in client.get_metric_history(record["run_id"], "train/loss")]
+        assert sorted(history) == sorted({e["step"]: np.float64(e["loss"]) for e in events + events_of(r.stdout)
+                                          if e["event"] == "step"}.items())
+        assert client.get_run(record["run_id"]).info.status == "FINISHED"
+
+        # The same job, the server killed after its first checkpoint: the job finishes, exit 0, one warning.
+        args = BASE[:3] + ["--steps", "12", "--ckpt-every", "4", "--state", str(tmp_path / "s2"), "--report-to", "mlflow"]
+        p = start(args, env=env)
+        events = []
+        for line in p.stdout:
+            events.append(json.loads(line))
+            if events[-1]["event"] == "checkpoint" and server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+        assert p.wait(timeout=300) == 0, p.stderr.read()
+        assert [e for e in events if e["event"] == "done"][0]["complete"]
+        warnings = [e["message"] for e in events if e["event"] == "warning"]
+        assert len(warnings) == 1 and warnings[0].startswith("--report-to mlflow stopped reporting"), warnings
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

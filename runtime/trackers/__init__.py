@@ -40,7 +40,8 @@ class Tracker(Protocol):
 
     def params(self, params: dict) -> None: ...
 
-    def metrics(self, step: int, values: dict[str, float]) -> None: ...
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        """Each (step, {name: value}) of `rows`, in step order (a checkpoint's steps come at once)."""
 
     def note(self, kind: str, text: str, step: int | None) -> None:
         """The seam of a preemption (interrupted, resumed, hard_kill) in the tracker's own words."""

@@ -85,26 +85,32 @@ class MLflow:
 
             self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(k, v, now, step) for k, v in values.items()]
+        batch = [Metric(k, v, now, step) for step, values in rows for k, v in values.items()]
         for i in range(0, len(batch), BATCH_MAX):
             self.client.log_batch(self.run_id, metrics=batch[i:i + BATCH_MAX])
 
     def note(self, kind: str, text: str, step: int | None) -> None:
+        from mlflow.entities import RunTag
+
         self.seams += 1
-        self.client.set_tag(self.run_id, f"spillpack.seam.{self.seams:03d}.{kind}", text)
         self.note_text = (self.note_text + "\n" if self.note_text else "") + f"- {text}"
-        self.client.set_tag(self.run_id, NOTE_TAG, self.note_text)
+        self.client.log_batch(self.run_id, tags=[RunTag(f"spillpack.seam.{self.seams:03d}.{kind}", text), RunTag(NOTE_TAG, self.note_text)])
         if kind == "done":
             self.status = "FINISHED"
         elif kind == "interrupted":
             self.status = "SCHEDULED"  # preempted: the same command continues it
 
     def close(self) -> None:
+        from mlflow.entities import RunStatus
+
         if self.status == "SCHEDULED":
             self.client.update_run(self.run_id, status="SCHEDULED")
         else:
-            self.client.set_terminated(self.run_id, status=self.status)
+            # set_terminated's own words, without the "View run at" lines it writes to stdout for a
+            # server URI: a headless job's stdout is its events and nothing else.
+            self.client._tracking_client.store.update_run_info(self.run_id, run_status=RunStatus.from_string(self.status),
+                                                               end_time=int(time.time() * 1000), run_name=None)

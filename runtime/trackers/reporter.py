@@ -118,7 +118,7 @@ class Lane:
             if t.committed_only:
                 self._pending.append(args)
             else:
-                t.metrics(*args)
+                t.metrics([args])
         elif kind == "committed":
             self._flush(args[0])
         elif kind == "note":
@@ -130,8 +130,8 @@ class Lane:
         """Give a committed_only tracker every pending step up to `upto` (None: all)."""
         ready = [p for p in self._pending if upto is None or p[0] <= upto]
         self._pending = [p for p in self._pending if not (upto is None or p[0] <= upto)]
-        for step, values in ready:
-            self.tracker.metrics(step, values)
+        if ready:
+            self.tracker.metrics(ready)
 
     def _guard(self, fn, *args) -> None:
         try:

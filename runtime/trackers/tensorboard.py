@@ -53,9 +53,10 @@ class TensorBoard:
         if self.fresh:
             self.writer.add_text("config", "```\n" + json.dumps(params, indent=2, sort_keys=True, default=str) + "\n```", 0)
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        for step, values in rows:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
         self.writer.flush()  # on disk now: a hard kill loses nothing it was given (this runs on the reporter's thread)
 
     def note(self, kind: str, text: str, step: int | None) -> None:

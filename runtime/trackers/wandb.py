@@ -52,8 +52,9 @@ class WandB:
     def params(self, params: dict) -> None:
         self.run.config.update(params, allow_val_change=True)
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        for step, values in rows:
+            self.run.log(values, step=step)
 
     def note(self, kind: str, text: str, step: int | None) -> None:
         self.run.notes = ((self.run.notes or "") + "\n" + text).strip()
