@@ -56,6 +56,7 @@ def _file_steps(path):
     return [e.step for e in EventFileLoader(str(path)).Load() if e.HasField("summary") and e.summary.value[0].tag == "train/loss"]
 
 
+# The tests of the shared jobs carry xdist_group("trackers"): one worker runs those jobs once.
 @pytest.fixture(scope="module")
 def jobs(tiny_home, tmp_path_factory):
     """The reference (uninterrupted) and the interrupted job, each with every tracker."""
@@ -80,6 +81,7 @@ def _losses(events):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("trackers")
 def test_the_job_was_cut_where_the_test_says(jobs):
     """Two preemptions, then a hard kill past a checkpoint: steps done twice, which no tracker may show twice."""
     runs = jobs["runs"]
@@ -100,6 +102,7 @@ def _scalars(logdir, tag):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("trackers")
 def test_tensorboard_shows_one_curve_equal_to_the_uninterrupted_one(jobs):
     import numpy as np
 
@@ -178,6 +181,7 @@ def test_missing_library_and_unwritable_dir_fail_before_the_job(home, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("trackers")
 def test_mlflow_sees_one_run_with_the_uninterrupted_history(jobs):
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     from mlflow.tracking import MlflowClient
@@ -205,6 +209,7 @@ def test_mlflow_sees_one_run_with_the_uninterrupted_history(jobs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("trackers")
 def test_wandb_offline_is_one_run_across_the_processes(jobs):
     record = json.loads((jobs["job"] / "trackers" / "wandb.json").read_text())
     folders = sorted((jobs["job"] / "wandb").glob("offline-run-*"))
@@ -215,6 +220,7 @@ def test_wandb_offline_is_one_run_across_the_processes(jobs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("trackers")
 def test_credentials_are_never_written(jobs):
     """WANDB_API_KEY and MLFLOW_TRACKING_TOKEN were in every process's environment: not one byte
     of them in the state (its tracker files included) or the events."""
