@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) 
         return _fail(SpillpackError("interrupted", f"spillpack {command or ''} ... again"), events, debug)
     except Exception as e:  # the one place an unexpected error becomes one line
         err = SpillpackError(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "),
-                             f"spillpack {' '.join(argv)} --debug, and report the traceback")
+                             f"spillpack {' '.join(argv)}{'' if '--debug' in argv else ' --debug'}, and report the traceback")
         return _fail(err, events, debug)
     finally:
         handler.started()  # the command is over: a stop now leaves its exit code alone
@@ -144,6 +144,7 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
     if emit_path:
         check_emit_path(command, emit_path, force)
     inv = invocation(command, ns, events.headless, bundle)  # a bundle's files/job.json is checked against its manifest as it is read
+    inv.force = bool(force)
     if emit_path:
         from runtime.models.ref import check_model_tags
 

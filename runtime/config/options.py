@@ -152,15 +152,17 @@ SHARED = (
     Opt("config", None, help="load the job from a config file written by --emit-config", in_config=False, metavar="FILE"),
     Opt("emit_config", None, help="write the fully resolved job to FILE (.json or .toml) and exit; an existing FILE is refused "
                                   "unless --force", in_config=False, metavar="FILE"),
-    Opt("force", False, flag=True, in_config=False, help="with --emit-config: replace FILE when it exists"),
+    Opt("force", False, flag=True, in_config=False, help="with --emit-config: replace FILE when it exists; for run, eval and distill: "
+                                                              "add rows in a --dtype other than the one the state's rows were made in"),
     Opt("name", None, help="the job's name (default: derived from the command and its data)"),
     Opt("state", None, help="where the job keeps its state: a path, file:// or s3:// URI (default: SPILLPACK_HOME/jobs/NAME)", metavar="URI"),
     Opt("weights", None, help="where the model's weights are: a path, file:// or s3:// URI", metavar="URI"),
     Opt("engine", "auto", choices=ENGINES, per_run=True, help="mlx, torch-cuda or torch-cpu (default: chosen for this machine)"),
     Opt("dtype", "auto", choices=DTYPES, per_run=True,
-        help="the frozen base's dtype: auto (SPILLPACK_DTYPE if set, else what this job ran before, else bfloat16 on a CPU "
-             "that multiplies it natively (AMX, AVX512-BF16) for models 512 or more wide and on a GPU that has it, float16 "
-             "with loss scaling on older GPUs, float32 otherwise), float32, or bfloat16"),
+        help="the frozen base's dtype: auto (SPILLPACK_DTYPE if set, else what this job ran before, else, on a CPU that "
+             "multiplies bfloat16 natively (AMX, AVX512-BF16) and a model 512 or more wide, bfloat16 for a tune and for "
+             "generation whichever of the two a decode step of the model measures faster there; bfloat16 on a GPU that "
+             "has it, float16 with loss scaling on older GPUs, float32 otherwise), float32, or bfloat16"),
     Opt("preemption_notice", "auto", choices=NOTICE_MODES, per_run=True,
         help="also stop (checkpoint, exit 75) on a cloud's spot notice in the instance metadata; auto finds AWS, GCP or Azure, if any"),
     Opt("grace_s", None, float, per_run=True, above=0, max=GRACE_MAX_S, metavar="SECONDS",

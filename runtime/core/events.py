@@ -91,7 +91,8 @@ class Events:
         if ev == "start":
             self.say(r.get("message") or f"{self.command}: starting")
         elif ev == "restore":
-            self.say(f"restored {r['step']} {'rows' if self.command != 'tune' else 'steps'} from {r['uri']}")
+            made = ", ".join(f"{m['dtype']} on {m['engine']}" for m in r.get("made_with") or [] if m.get("dtype"))
+            self.say(f"restored {r['step']} {'rows' if self.command != 'tune' else 'steps'} from {r['uri']}" + (f" (made in {made})" if made else ""))
         elif ev == "step":
             parts = [f"step {r['step']}/{r.get('steps')}"]
             if r["loss"] is not None:

@@ -33,7 +33,7 @@ from runtime import trackers
 from runtime.core.events import Events
 from runtime.core.notices import NoticeWatcher, start_watcher
 from runtime.base.signals import PROMISE_S, Abandon, Preemption, grace_from_env, install_process_handler
-from runtime.engines.registry import base_dtype, get_engine, group_opener, kept_base_dtype
+from runtime.engines.registry import base_dtype, get_engine, group_opener, kept_base_dtype, made_with
 from runtime.engines.hardware import choose_engine
 from runtime.base.errors import EXIT_OK, EXIT_PREEMPTED, SpillpackError, redact
 from runtime.base.fileio import sha256_bytes
@@ -113,6 +113,7 @@ class Job:
     state_step: int | None = None  # steps or rows done, as last reported: for the history's records
     kept_dtype: str | None = None  # the base dtype this job's last process on this engine ran (its history)
     reporter: object | None = None  # --report-to's trackers (runtime/trackers/), fed this job's events
+    made_with: list = field(default_factory=list)  # each engine and base dtype earlier processes ran, oldest first
 
     PROGRESS_EVERY_S = 1.0
 
@@ -140,7 +141,7 @@ class Job:
         group = open_group(engine_name, inv.command)
         uri = state_uri(o)
         state = root = None
-        kept_dtype = None
+        kept_dtype, made = None, []
         if group is None or group.writer:
             config = inv.to_config()
             # The requeue guard's "same settings": a start with another config or grace begins a new count.
@@ -158,6 +159,7 @@ class Job:
             if engine_name == "torch-cpu":  # before the engine is made: a resume runs on the threads it ran on
                 threads.keep(history, cpus().count)
             kept_dtype = kept_base_dtype(history, engine_name)
+            made = made_with(history)
             if inv.command != "build":  # a build's progress is its stages', each guarded as a job of its own
                 requeue.check(state, o.get("max_stalled_starts", requeue.DEFAULT_MAX_STALLED), settings,
                               "row" if inv.command in ("run", "eval", "distill") else "step", history)
@@ -167,7 +169,7 @@ class Job:
                     if report_to and state is not None else None)
         return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices, group,
                    root.uri if root is not None else uri, root=root if shard is not None else None, kept_dtype=kept_dtype,
-                   reporter=reporter)
+                   reporter=reporter, made_with=made)
 
     def engine_dtype(self, asked: str | None) -> tuple[str | None, str | None]:
         """The base dtype this process's engine takes and why (runtime.engines.registry.base_dtype):
@@ -175,13 +177,14 @@ class Job:
         for the engine's policy."""
         return base_dtype(asked, self.kept_dtype)
 
-    def open_engine(self, engine=None, dtype: str | None = None, width: int | None = None, splits_rows: bool = False):
+    def open_engine(self, engine=None, dtype: str | None = None, width: int | None = None, splits_rows: bool = False,
+                    shape: dict | None = None):
         """This process's engine (made here, or given: tune makes it first to plan its memory),
         with its device, software and base dtype in the history: a resume is bit-identical only
         where they match (`spillpack status` says which applied). `splits_rows`: a tune, whose
         torch-cpu engine splits a micro-batch's rows across its threads."""
         threads.for_model(width, splits_rows)  # a narrow model's ops run on one thread (runtime.base.threads)
-        engine = engine or get_engine(self.engine_name, dtype, width=width, kept=self.kept_dtype)
+        engine = engine or get_engine(self.engine_name, dtype, width=width, kept=self.kept_dtype, shape=shape)
         engine.fit_threads()  # made before the state was read (tune plans with it): the count a resume keeps
         if self.writer:  # rank 0 of a data-parallel group writes for all (its ranks share one device model)
             self.state.log("engine", **engine.describe())
@@ -286,7 +289,7 @@ class Job:
             self.state.log("stopping", step=done, signal=self.preemption.signal_name, grace_s=self.preemption.promise_s)
 
     def restored(self, count: int, uri: str) -> None:
-        self.events.emit("restore", step=count, uri=uri)
+        self.events.emit("restore", step=count, uri=uri, made_with=self.made_with)
         if self.writer:
             self.state.log("resume", step=count, uri=uri)
 

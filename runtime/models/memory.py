@@ -351,5 +351,5 @@ def generation_plan(config: dict, act_bytes: int, slots: int, max_len: int, long
     # Logits: one row per slot, float32 for sampling (a copy when the base is not float32).
     logits = slots * a.vocab_size * (4 + (act_bytes if act_bytes != 4 else 0))
     activations = tokens * per_token + gathered + mask + scores + logits
-    rows = min(slots, tokens)
+    rows = max(min(slots, tokens), 1)
     return GenerationPlan(weights / GB, kv / GB, activations / GB, runtime_gb, slots, max_len, (rows, tokens // rows))

@@ -27,6 +27,7 @@ from runtime.engines.torch.models import load_checkpoint, load_model, routed_tok
 from runtime.engines.torch.models.layout import cpu_training_layout
 from runtime.engines.torch.row_threads import RowThreads
 from runtime.engines.torch.optim import AdamW
+from runtime.engines.torch.decode_dtype import generation_precision
 from runtime.engines.torch.precision import LossScaler, device_precision, grads_finite, precision_of
 from runtime.engines import OptimSpec
 
@@ -290,10 +291,11 @@ class TorchTrainSession:
 class TorchEngine:
     """`device` and `base_dtype` default to what the engine's name and the device call for;
     `width` is the model's hidden size (the CPU's dtype policy needs it), `why` says where a
-    given `base_dtype` came from, `training` whether the engine is for a tune (the policy may differ)."""
+    given `base_dtype` came from, `training` whether the engine is for a tune (the policy may differ),
+    `shape` the config of the model a row job generates with (its decode step may be measured)."""
 
     def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | str | None = None,
-                 width: int | None = None, why: str | None = None, training: bool = False):
+                 width: int | None = None, why: str | None = None, training: bool = False, shape: dict | None = None):
         self.name = name
         base_dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) else base_dtype
         self.device = torch.device(device if device is not None else ("cuda" if name == "torch-cuda" else "cpu"))
@@ -301,7 +303,12 @@ class TorchEngine:
         if self.device.type == "cpu":
             return_freed_memory()
             fit_threads(self.device)
-        self.precision = device_precision(self.device, width, training) if base_dtype is None else precision_of(base_dtype, why)
+        if base_dtype is not None:
+            self.precision = precision_of(base_dtype, why)
+        else:
+            self.precision = device_precision(self.device, width, training)
+            if shape is not None and not training and self.device.type == "cpu":
+                self.precision = generation_precision(self.precision, shape)
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
 
