@@ -45,6 +45,8 @@ def _add_option(p: argparse.ArgumentParser, opt) -> None:
         p.add_argument(opt.name, nargs="?", default=argparse.SUPPRESS, help=opt.help, metavar=opt.name.upper())
     elif opt.flag:
         p.add_argument(opt.flag_name, dest=opt.name, action="store_true", default=argparse.SUPPRESS, help=opt.help)
+    elif opt.repeat:
+        p.add_argument(opt.flag_name, dest=opt.name, action="append", default=argparse.SUPPRESS, metavar=opt.metavar, help=opt.help)
     else:
         default = "" if opt.default is None else f" (default: {opt.default})"
         p.add_argument(opt.flag_name, dest=opt.name, type=opt.type, choices=opt.choices, default=argparse.SUPPRESS,

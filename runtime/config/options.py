@@ -17,6 +17,7 @@ from runtime.core.launch import NPROC_MAX
 from runtime.engines.hardware import ENGINE_NAMES
 from runtime.engines.registry import DTYPES as BASE_DTYPES
 from runtime.base.errors import SpillpackError
+from runtime import trackers
 
 # eval's scoring rules (runtime/jobs/metrics.py scores each): named here, where --metric is checked.
 METRICS = ("exact_match", "contains", "regex", "json_field")
@@ -50,6 +51,7 @@ class Opt:
     max: float | None = None
     above: float | None = None  # exclusive bounds
     below: float | None = None
+    repeat: bool = False  # may be given more than once: the values are joined with commas
 
     @property
     def flag_name(self) -> str:
@@ -83,6 +85,8 @@ def check_value(command: str, opt: Opt, value):
         if opt.default is None:
             return None
         raise _bad(command, opt, f"needs a value (default {opt.default})")
+    if opt.repeat and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)
     if opt.flag:
         if not isinstance(value, bool):
             raise _bad(command, opt, f"is true or false, not {value!r}")
@@ -123,6 +127,8 @@ def check_value(command: str, opt: Opt, value):
             raise _bad(command, opt, f"must be at most {_num(opt.max)}, not {_num(value)}")
         if opt.below is not None and value >= opt.below:
             raise _bad(command, opt, f"must be less than {_num(opt.below)}, not {_num(value)}")
+    if opt.name == "report_to":
+        value = ",".join(trackers.parse(value, command)) or "none"  # an unknown tracker is a usage error (exit 2)
     if opt.name == "name" and not NAME_RE.match(value):
         raise SpillpackError(f"--name {value!r} is not a job name: letters, digits, '.', '_' and '-', starting with a letter or digit, "
                              f"at most 100 characters", f"spillpack {command} ... --name {safe_name(value)}")
@@ -165,6 +171,9 @@ SHARED = (
     Opt("stop_after", None, _stop_after, per_run=True, help="stop cleanly (exit 0) after N steps or rows", metavar="N"),
     Opt("max_stalled_starts", 3, int, per_run=True, min=0, metavar="N",
         help="stop with exit 1 (not 75) when N starts in a row made no progress past the last checkpoint (0: never)"),
+    Opt("report_to", None, repeat=True, metavar="TRACKERS",
+        help="also log the job to tensorboard, mlflow and/or wandb (comma-separated, repeatable; default: SPILLPACK_REPORT_TO, "
+             "else none): one tracker run for the whole job, across its preemptions (docs/trackers.md)"),
     Opt("headless", False, flag=True, in_config=False, help="JSON-line events on stdout (automatic when stdout is not a terminal)"),
     Opt("debug", False, flag=True, in_config=False, help="show tracebacks"),
 )

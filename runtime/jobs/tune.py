@@ -287,13 +287,14 @@ class TuneWork:
                 f"the state keeps its last good checkpoint (step {self.committed})",
                 f"a smaller --lr than {o['lr']:g} (or a larger --warmup) with a new --state",
             )
-        self.session.apply(learning_rate(self.done, self.total, o["lr"], o["warmup"], o["schedule"]))
+        lr = learning_rate(self.done, self.total, o["lr"], o["warmup"], o["schedule"])
+        self.session.apply(lr)
         self.done += 1
         self.losses.append(loss)
         dt = time.perf_counter() - self._t0
         self._times = (self._times + [dt])[-10:]
         eta = (sum(self._times) / len(self._times)) * (self.total - self.done)
-        self.job.events.emit("step", step=self.done, steps=self.total, step_s=round(dt, 4), loss=round(loss, 6),
+        self.job.events.emit("step", step=self.done, steps=self.total, step_s=round(dt, 4), loss=round(loss, 6), lr=lr,
                              tokens_per_s=round(tokens / dt, 1), peak_mem_gb=round(self.engine.peak_mem_gb(), 3), eta_s=round(eta, 1))
         if self.val is not None and self.val.due(self.done, self.total):
             self.val.pending = True
