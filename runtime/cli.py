@@ -45,6 +45,8 @@ def _add_option(p: argparse.ArgumentParser, opt) -> None:
         p.add_argument(opt.name, nargs="?", default=argparse.SUPPRESS, help=opt.help, metavar=opt.name.upper())
     elif opt.flag:
         p.add_argument(opt.flag_name, dest=opt.name, action="store_true", default=argparse.SUPPRESS, help=opt.help)
+    elif opt.repeat:
+        p.add_argument(opt.flag_name, dest=opt.name, action="append", default=argparse.SUPPRESS, metavar=opt.metavar, help=opt.help)
     else:
         default = "" if opt.default is None else f" (default: {opt.default})"
         p.add_argument(opt.flag_name, dest=opt.name, type=opt.type, choices=opt.choices, default=argparse.SUPPRESS,
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None, extra: dict | None = None, bundle=None) 
         return _fail(SpillpackError("interrupted", f"spillpack {command or ''} ... again"), events, debug)
     except Exception as e:  # the one place an unexpected error becomes one line
         err = SpillpackError(f"unexpected {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "),
-                             f"spillpack {' '.join(argv)} --debug, and report the traceback")
+                             f"spillpack {' '.join(argv)}{'' if '--debug' in argv else ' --debug'}, and report the traceback")
         return _fail(err, events, debug)
     finally:
         handler.started()  # the command is over: a stop now leaves its exit code alone
@@ -142,6 +144,7 @@ def _run_job(command: str, ns: dict, events: Events, bundle=None, argv: list[str
     if emit_path:
         check_emit_path(command, emit_path, force)
     inv = invocation(command, ns, events.headless, bundle)  # a bundle's files/job.json is checked against its manifest as it is read
+    inv.force = bool(force)
     if emit_path:
         from runtime.models.ref import check_model_tags
 

@@ -56,6 +56,31 @@ def assert_close(adapter: Path, reference: Path) -> None:
     assert max(abs(x - y) for x, y in zip(la, lb)) <= TOL
 
 
+def ranks_of(args: list[str], world: int = 2) -> list[subprocess.Popen]:
+    """`world` ranks started as a launcher does (RANK, WORLD_SIZE, MASTER_*), each its own process."""
+    port = free_port()
+    return [subprocess.Popen([sys.executable, "-m", "spillpack", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=REPO, env=env_of(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+            for r in range(world)]
+
+
+def signal_at_step(procs: list[subprocess.Popen], step: int, sig=signal.SIGTERM) -> tuple[list[dict], list[int], list[str]]:
+    """Rank 0's events, `sig` sent to rank 1 alone once rank 0 reports step `step`; then every
+    rank's exit code and stderr."""
+    events, sent = [], False
+    for line in procs[0].stdout:
+        e = json.loads(line)
+        events.append(e)
+        if not sent and e["event"] == "step" and e["step"] == step:
+            procs[1].send_signal(sig)
+            sent = True
+    codes = [p.wait(timeout=300) for p in procs]
+    errs = [p.stderr.read() for p in procs]
+    assert sent, errs
+    return events, codes, errs
+
+
 def history(state: Path) -> list[dict]:
     return sorted((json.loads(p.read_text()) for p in (state / "history").glob("*.json")), key=lambda r: r["time"])
 
@@ -147,22 +172,8 @@ def test_sigterm_to_one_rank_stops_all_then_resume_at_another_size(home, tmp_pat
     """Two ranks started as a launcher does (RANK, WORLD_SIZE, MASTER_*), SIGTERM to rank 1 only:
     both exit 75 at the same step, rank 0 commits once; the job then ends at another world size."""
     state = tmp_path / "s"
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "spillpack", *BASE, "--state", str(state)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO,
-                              env=env_of(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-             for r in range(2)]
-    events, sent = [], False
-    for line in procs[0].stdout:
-        e = json.loads(line)
-        events.append(e)
-        if not sent and e["event"] == "step" and e["step"] == 5:
-            procs[1].send_signal(signal.SIGTERM)
-            sent = True
-    codes = [p.wait(timeout=300) for p in procs]
-    errs = [p.stderr.read() for p in procs]
-    assert sent, errs
+    procs = ranks_of(BASE + ["--state", str(state)])
+    events, codes, errs = signal_at_step(procs, 5)
     assert codes == [75, 75], errs
     assert procs[1].stdout.read() == ""  # rank 1 is quiet
     pre = [e for e in events if e["event"] == "preempted"]
@@ -191,12 +202,7 @@ def test_a_rank_killed_hard_ends_the_group_and_the_rerun_resumes(home, tmp_path,
     """SIGKILL to rank 1: rank 0 loses its group and says so in one line (exit 1), nothing
     committed is lost, and the same command continues from the last commit."""
     state = tmp_path / "s"
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "spillpack", *BASE, "--state", str(state)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=REPO,
-                              env=env_of(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                         MASTER_PORT=str(port)))
-             for r in range(2)]
+    procs = ranks_of(BASE + ["--state", str(state)])
     for line in procs[0].stdout:
         e = json.loads(line)
         if e["event"] == "checkpoint" and e["step"] == 8:

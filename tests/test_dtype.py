@@ -2,6 +2,8 @@
 a CPU trains within rounding of float32, halves the weights a row job plans for, and is recorded
 per process, so status tells a resume that changed it."""
 
+import json
+
 import pytest
 
 from conftest import events_of, run_cli
@@ -159,3 +161,46 @@ def test_a_tune_on_a_cpu_without_amx_takes_bfloat16_only_where_it_measures_faste
     speedup = cpu_bf16_speedup()
     # Emulated bfloat16 (an AVX2-only CPU) measured 0.005x on a 2-core AMD EPYC: any positive rate is sane.
     assert 0 < speedup < 100 and cpu_bf16_speedup() == speedup  # measured once per process
+
+
+# -- generation on a native-bfloat16 CPU: the dtype its own decode step measures faster -------------------
+
+
+def test_generation_takes_the_dtype_its_decode_step_measures_faster(monkeypatch):
+    import torch
+
+    from runtime.engines.torch import decode_dtype
+    from runtime.engines.torch.precision import Precision
+
+    config = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30}
+    bf16 = Precision(torch.bfloat16, False, "bfloat16: the width policy")
+    for f32_layer, want in ((0.0025, "float32"), (0.0040, "bfloat16")):
+        m = {"float32_layer_s": f32_layer, "float32_rest_s": 0.010, "bfloat16_layer_s": 0.0030, "bfloat16_rest_s": 0.010}
+        monkeypatch.setattr(decode_dtype, "measured", lambda c, m=m: m)
+        got = decode_dtype.generation_precision(bf16, config)
+        assert got.name == want and "a decode step of this model's shapes measured" in got.why, got
+    f32 = Precision(torch.float32, False, "float32: no native bfloat16")
+    assert decode_dtype.generation_precision(f32, config) is f32  # nothing measured where the policy says float32
+
+
+def test_a_run_on_a_native_bfloat16_cpu_measures_its_decode_step_once_and_keeps_it(home, tmp_path):
+    from runtime.engines.torch.precision import cpu_bf16_native
+    from tests.support.memory_shapes import make_shape
+
+    if not cpu_bf16_native():
+        pytest.skip("this CPU has no native bfloat16: generation is float32 without measuring")
+    model = make_shape("narrow-512", tmp_path / "narrow")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"custom_id": "a", "prompt": "the a of"}) + "\n")
+    whys = []
+    for i in range(2):
+        r = run_cli(["run", str(model), str(rows), "--max-tokens", "2", "--state", str(tmp_path / f"s{i}")], env=AUTO)
+        assert r.returncode == 0, r.stderr
+        start = next(e for e in events_of(r.stdout) if e["event"] == "start")
+        assert "a decode step of this model's shapes measured" in start["dtype_why"], start
+        whys.append((start["dtype"], start["dtype_why"]))
+        if i == 0:
+            cache = (home / "cache" / "rates.json").read_bytes()
+    assert whys[0] == whys[1]  # the second job read the first one's measurement
+    assert (home / "cache" / "rates.json").read_bytes() == cache
+    assert b"decode dtype 1" in cache and b"hidden_size=512" in cache

@@ -63,7 +63,7 @@ MAX_MODULE_LINES = 400  # past this a module is split (docs/architecture.md)
 
 
 def test_folders_depend_one_way_down_the_layers():
-    """base < bootstrap < state < models < data < engines < core < config < jobs < commands < cli
+    """base < bootstrap < state < models < data < engines < trackers < core < config < jobs < commands < cli
     (tests/support/imports.py): no module imports a folder above its own, imports inside
     functions counted."""
     assert upward(graph()) == []

@@ -11,41 +11,22 @@ Memory only: nothing here times anything.
 """
 
 import json
-import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from conftest import REPO
 from tests.support.memory_shapes import make_shape
+from tests.support.peak import GB, run_with_peak
 
-GB = 2**30
-
-
-def vm_hwm_kb(pid="self") -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmHWM in /proc: these tests need Linux")
 
 
 def run_measured(args, tmp_path, env=None) -> tuple[list[dict], float]:
     """A CLI run as a user does it: the events, and the process's peak RSS in GB (its VmHWM, sampled)."""
-    out, err = tmp_path / "stdout", tmp_path / "stderr"
-    full_env = {**os.environ, "SPILLPACK_HEADLESS": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    peak = 0
-    with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen([sys.executable, "-m", "spillpack", *args], stdout=o, stderr=e, env=full_env, cwd=REPO)
-        while proc.poll() is None:
-            try:
-                peak = max(peak, vm_hwm_kb(proc.pid))  # monotone: the last reading is the peak but for the last moments
-            except (OSError, AssertionError):
-                pass  # exited between poll and read
-            time.sleep(0.02)
-    assert proc.returncode == 0, err.read_text()
-    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()], peak * 1024 / GB
+    r = run_with_peak(args, tmp_path, env)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines() if line.strip()], r.peak_gb
 
 
 def torch_import_gb() -> float:

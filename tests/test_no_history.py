@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CODE_DIRS = ("runtime", "spillpack", "benchmarks", "tests", "examples", "docker", ".ci")
-SKIP_DIRS = {".venv", ".venv-sky", "__pycache__", "node_modules", ".git", "golden"}
+SKIP_DIRS = {".venv", ".venv-sky", ".venv-mlflow", "__pycache__", "node_modules", ".git", "golden"}
 
 PATTERNS = {
     "a ticket number": re.compile(r"(?i)\b(?:issues?|tasks?|tickets?)\s*#?\d+|(?<![\w&/])#\d+\b"),

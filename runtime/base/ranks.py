@@ -16,6 +16,11 @@ def world_size() -> int:
     return max(1, _env_int("WORLD_SIZE", 1))
 
 
+def local_world_size() -> int:
+    """The ranks on this machine (torchrun's LOCAL_WORLD_SIZE)."""
+    return max(1, _env_int("LOCAL_WORLD_SIZE", 1)) if world_size() > 1 else 1
+
+
 def rank() -> int:
     return _env_int("RANK", 0) if world_size() > 1 else 0
 

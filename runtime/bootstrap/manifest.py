@@ -42,12 +42,13 @@ class Manifest:
     with_torch: str | None = None  # "cpu" | "cuda": torch wheels under wheels/TAG/
     with_mlx: bool = False  # mlx wheels under wheels/TAG/ for macOS arm64 targets
     engines: dict[str, list[str]] = field(default_factory=dict)  # TAG -> engines the bundle can use there
+    trackers: list[str] = field(default_factory=list)  # --report-to trackers whose wheels are under wheels/TAG/
     files: dict[str, FileEntry] = field(default_factory=dict)  # bundle-relative POSIX path -> entry
 
     @property
     def wheels_key(self) -> str:
         """Where the carried wheels are unpacked: a new set of carried packages never reuses an old install."""
-        parts = ([f"torch-{self.with_torch}"] if self.with_torch else []) + (["mlx"] if self.with_mlx else [])
+        parts = ([f"torch-{self.with_torch}"] if self.with_torch else []) + (["mlx"] if self.with_mlx else []) + self.trackers
         return "-".join(parts) + f"-py{self.python}"
 
     def to_json(self) -> bytes:
@@ -78,6 +79,9 @@ class Manifest:
             raise damaged(f"'with_torch' is {data.get('with_torch')!r}")
         if not all(isinstance(t, str) for t in data["platforms"]):
             raise damaged("'platforms' holds a non-string")
+        trackers = data.get("trackers", [])  # absent in a bundle packed before trackers were carried
+        if not (isinstance(trackers, list) and all(isinstance(t, str) and t.isalpha() for t in trackers)):
+            raise damaged(f"'trackers' is {trackers!r}")
         files = {}
         for rel, entry in data["files"].items():
             check_rel(rel, where)
@@ -87,7 +91,7 @@ class Manifest:
             files[rel] = FileEntry(entry["size"], entry["sha256"], entry["origin"])
         return cls(packer=data["packer"], command=data["command"], name=data["name"], python=data["python"],
                    platforms=list(data["platforms"]), zipapp=data["zipapp"], with_torch=data.get("with_torch"),
-                   with_mlx=data["with_mlx"], engines=data["engines"], files=files)
+                   with_mlx=data["with_mlx"], engines=data["engines"], files=files, trackers=list(trackers))
 
     @classmethod
     def read(cls, root: Path) -> "Manifest":

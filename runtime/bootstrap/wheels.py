@@ -1,5 +1,5 @@
 """First-start install of the wheels a bundle carries (torch with --with-torch, mlx with
---with-mlx): unzipped once, atomically, into the bundle or SPILLPACK_HOME, never into the
+--with-mlx, the --report-to trackers' libraries): unzipped once, atomically, into the bundle or SPILLPACK_HOME, never into the
 system's Python; no pip, no network. Standard library only.
 """
 
@@ -75,7 +75,7 @@ def install_dir(root: Path, manifest: Manifest) -> Path:
 def ensure_engines(root: Path, manifest: Manifest, tag: str) -> None:
     """Make the carried wheels importable; refuse to start when no engine's framework is there."""
     carried = root / WHEELS_DIR / tag
-    if (manifest.with_torch or manifest.with_mlx) and carried.is_dir():
+    if (manifest.with_torch or manifest.with_mlx or manifest.trackers) and carried.is_dir():
         target = install_dir(root, manifest) / tag
         bundle = Bundle(root, manifest)
         install_wheels(carried, target, lambda whl: bundle.check_file(f"{WHEELS_DIR}/{tag}/{whl.name}"))

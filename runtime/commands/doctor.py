@@ -23,8 +23,14 @@ def cpu_dtype_policy(measure_rates: bool) -> dict:
 
     native = cpu_bf16_native()
     out = {"bf16_native": native,
-           "dtype_auto": (f"bfloat16 for models {BF16_MIN_WIDTH} or more wide (native {native}), float32 below" if native
+           "dtype_auto": (f"for models {BF16_MIN_WIDTH} or more wide (native {native}): a tune bfloat16, a row job's "
+                          f"generation whichever dtype a decode step of the model's shapes measures faster here "
+                          f"(once per shape, kept); float32 below" if native
                           else "float32 (this CPU has no native bfloat16 matmul)")}
+    if native:
+        from runtime.engines.torch.decode_dtype import cached_choices
+
+        out["decode_dtype"] = cached_choices()
     if native and measure_rates:
         rate = measure("torch-cpu", dtype="bfloat16")
         remember_rate("torch-cpu", rate, "bfloat16")
@@ -115,6 +121,8 @@ def main(ns: dict, events) -> int:
         if "dtype_auto" in e:
             bf16 = f" (bfloat16 matmul {e['bf16_matmul_gflops']} GFLOP/s)" if "bf16_matmul_gflops" in e else ""
             lines.append(f"    base dtype (--dtype auto): {e['dtype_auto']}{bf16}")
+            for shape, said in e.get("decode_dtype", {}).items():
+                lines.append(f"    generation measured: {said} [{shape}]")
         if e.get("fix"):
             lines.append(f"    try: {e['fix']}")
     lines.append(f"a job here would use {r['engine']}: {r['engine_reason']}" if r["engine"] else f"no engine: {r['engine_reason']}")

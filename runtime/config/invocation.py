@@ -29,6 +29,7 @@ class Invocation:
     debug: bool = False
     config_path: str | None = None
     bundle: object = None  # the runtime.bootstrap Bundle this process runs from, if any
+    force: bool = False  # --force: this process's, never in a config (a row job's state may mix dtypes)
 
     def to_config(self) -> dict:
         return {

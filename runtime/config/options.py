@@ -17,6 +17,7 @@ from runtime.core.launch import NPROC_MAX
 from runtime.engines.hardware import ENGINE_NAMES
 from runtime.engines.registry import DTYPES as BASE_DTYPES
 from runtime.base.errors import SpillpackError
+from runtime import trackers
 
 # eval's scoring rules (runtime/jobs/metrics.py scores each): named here, where --metric is checked.
 METRICS = ("exact_match", "contains", "regex", "json_field")
@@ -50,6 +51,7 @@ class Opt:
     max: float | None = None
     above: float | None = None  # exclusive bounds
     below: float | None = None
+    repeat: bool = False  # may be given more than once: the values are joined with commas
 
     @property
     def flag_name(self) -> str:
@@ -83,6 +85,8 @@ def check_value(command: str, opt: Opt, value):
         if opt.default is None:
             return None
         raise _bad(command, opt, f"needs a value (default {opt.default})")
+    if opt.repeat and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)
     if opt.flag:
         if not isinstance(value, bool):
             raise _bad(command, opt, f"is true or false, not {value!r}")
@@ -123,6 +127,8 @@ def check_value(command: str, opt: Opt, value):
             raise _bad(command, opt, f"must be at most {_num(opt.max)}, not {_num(value)}")
         if opt.below is not None and value >= opt.below:
             raise _bad(command, opt, f"must be less than {_num(opt.below)}, not {_num(value)}")
+    if opt.name == "report_to":
+        value = ",".join(trackers.parse(value, command)) or "none"  # an unknown tracker is a usage error (exit 2)
     if opt.name == "name" and not NAME_RE.match(value):
         raise SpillpackError(f"--name {value!r} is not a job name: letters, digits, '.', '_' and '-', starting with a letter or digit, "
                              f"at most 100 characters", f"spillpack {command} ... --name {safe_name(value)}")
@@ -146,15 +152,17 @@ SHARED = (
     Opt("config", None, help="load the job from a config file written by --emit-config", in_config=False, metavar="FILE"),
     Opt("emit_config", None, help="write the fully resolved job to FILE (.json or .toml) and exit; an existing FILE is refused "
                                   "unless --force", in_config=False, metavar="FILE"),
-    Opt("force", False, flag=True, in_config=False, help="with --emit-config: replace FILE when it exists"),
+    Opt("force", False, flag=True, in_config=False, help="with --emit-config: replace FILE when it exists; for run, eval and distill: "
+                                                              "add rows in a --dtype other than the one the state's rows were made in"),
     Opt("name", None, help="the job's name (default: derived from the command and its data)"),
     Opt("state", None, help="where the job keeps its state: a path, file:// or s3:// URI (default: SPILLPACK_HOME/jobs/NAME)", metavar="URI"),
     Opt("weights", None, help="where the model's weights are: a path, file:// or s3:// URI", metavar="URI"),
     Opt("engine", "auto", choices=ENGINES, per_run=True, help="mlx, torch-cuda or torch-cpu (default: chosen for this machine)"),
     Opt("dtype", "auto", choices=DTYPES, per_run=True,
-        help="the frozen base's dtype: auto (SPILLPACK_DTYPE if set, else what this job ran before, else bfloat16 on a CPU "
-             "that multiplies it natively (AMX, AVX512-BF16) for models 512 or more wide and on a GPU that has it, float16 "
-             "with loss scaling on older GPUs, float32 otherwise), float32, or bfloat16"),
+        help="the frozen base's dtype: auto (SPILLPACK_DTYPE if set, else what this job ran before, else, on a CPU that "
+             "multiplies bfloat16 natively (AMX, AVX512-BF16) and a model 512 or more wide, bfloat16 for a tune and for "
+             "generation whichever of the two a decode step of the model measures faster there; bfloat16 on a GPU that "
+             "has it, float16 with loss scaling on older GPUs, float32 otherwise), float32, or bfloat16"),
     Opt("preemption_notice", "auto", choices=NOTICE_MODES, per_run=True,
         help="also stop (checkpoint, exit 75) on a cloud's spot notice in the instance metadata; auto finds AWS, GCP or Azure, if any"),
     Opt("grace_s", None, float, per_run=True, above=0, max=GRACE_MAX_S, metavar="SECONDS",
@@ -163,6 +171,9 @@ SHARED = (
     Opt("stop_after", None, _stop_after, per_run=True, help="stop cleanly (exit 0) after N steps or rows", metavar="N"),
     Opt("max_stalled_starts", 3, int, per_run=True, min=0, metavar="N",
         help="stop with exit 1 (not 75) when N starts in a row made no progress past the last checkpoint (0: never)"),
+    Opt("report_to", None, repeat=True, metavar="TRACKERS",
+        help="also log the job to tensorboard, mlflow and/or wandb (comma-separated, repeatable; default: SPILLPACK_REPORT_TO, "
+             "else none): one tracker run for the whole job, across its preemptions (docs/trackers.md)"),
     Opt("headless", False, flag=True, in_config=False, help="JSON-line events on stdout (automatic when stdout is not a terminal)"),
     Opt("debug", False, flag=True, in_config=False, help="show tracebacks"),
 )
@@ -207,6 +218,9 @@ TUNE = (
     Opt("gguf_type", "f16", choices=("f32", "f16", "q8_0"), help="the --gguf file's tensor type"),
     Opt("nproc", None, int, per_run=True, min=1, max=NPROC_MAX,
         help="data-parallel processes on this machine, one per GPU (default: SPILLPACK_NPROC, else 1); started through torchrun's launcher"),
+    Opt("shard_base", "auto", choices=("off", "on", "auto"), per_run=True,
+        help="split the frozen base across the ranks (FSDP2) so each holds a share; auto: when the whole base "
+             "does not fit one rank's memory"),
 )
 
 # Sharding (docs/commands.md, "Shards"): N is part of the job, I is which part this process does.

@@ -36,6 +36,16 @@ class Events:
         self.status_path = status_path if status_path is not None else os.environ.get("SPILLPACK_STATUS")
         self._status: dict = {"command": command, "phase": "starting"}
         self._live = False  # a progress line is on the terminal and must be ended before other text
+        self.sinks: list = []  # the trackers' reporter (runtime/trackers/reporter.py): fed every event
+
+    def attach(self, sink) -> None:
+        """Feed every event from now on to `sink` (its feed(record) must not block), and emit the
+        warnings it has (its warnings() -> list of lines) as `warning` events."""
+        self.sinks.append(sink)
+
+    def detach(self, sink) -> None:
+        if sink in self.sinks:
+            self.sinks.remove(sink)
 
     def emit(self, event: str, **fields) -> dict:
         record = {k: None for k in COMMON_KEYS}
@@ -49,6 +59,10 @@ class Events:
         else:
             self._human(record)
         self._update_status(record)
+        for sink in self.sinks:
+            sink.feed(record)
+            for message in sink.warnings():
+                self.emit("warning", message=message)
         return record
 
     def say(self, text: str) -> None:
@@ -77,7 +91,8 @@ class Events:
         if ev == "start":
             self.say(r.get("message") or f"{self.command}: starting")
         elif ev == "restore":
-            self.say(f"restored {r['step']} {'rows' if self.command != 'tune' else 'steps'} from {r['uri']}")
+            made = ", ".join(f"{m['dtype']} on {m['engine']}" for m in r.get("made_with") or [] if m.get("dtype"))
+            self.say(f"restored {r['step']} {'rows' if self.command != 'tune' else 'steps'} from {r['uri']}" + (f" (made in {made})" if made else ""))
         elif ev == "step":
             parts = [f"step {r['step']}/{r.get('steps')}"]
             if r["loss"] is not None:
@@ -107,6 +122,8 @@ class Events:
                      f"in {r['seconds']:.2f}s")
         elif ev == "done":
             self.say(_summary(r))
+        elif ev == "warning":
+            self.say(f"warning: {r.get('message')}")
         elif ev == "error":
             self._end_live()
         else:

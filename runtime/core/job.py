@@ -29,17 +29,19 @@ import orjson
 from runtime.base import place, ranks, threads
 from runtime.base.allotment import cpus
 from runtime.core import requeue
+from runtime import trackers
 from runtime.core.events import Events
 from runtime.core.notices import NoticeWatcher, start_watcher
 from runtime.base.signals import PROMISE_S, Abandon, Preemption, grace_from_env, install_process_handler
-from runtime.engines.registry import base_dtype, get_engine, group_opener, kept_base_dtype
+from runtime.engines.registry import base_dtype, get_engine, group_opener, kept_base_dtype, made_with
 from runtime.engines.hardware import choose_engine
-from runtime.base.errors import EXIT_OK, EXIT_PREEMPTED, SpillpackError
+from runtime.base.errors import EXIT_OK, EXIT_PREEMPTED, SpillpackError, redact
 from runtime.base.fileio import sha256_bytes
 from runtime.base.paths import spillpack_home
 from runtime.state.jobstate import JobState
 from runtime.state.uri import open_store
 
+CLOSE_WAIT_S = 5.0  # at most this long for --report-to's trackers to catch up at the end of a process
 RECENT_QUANTA = 10  # how many recent quanta judge whether the one in flight fits the promise
 
 
@@ -110,6 +112,9 @@ class Job:
     _progress_at: float = 0.0
     state_step: int | None = None  # steps or rows done, as last reported: for the history's records
     kept_dtype: str | None = None  # the base dtype this job's last process on this engine ran (its history)
+    group_lost: bool = False  # left the group in the middle of a quantum: no last barrier to wait at
+    reporter: object | None = None  # --report-to's trackers (runtime/trackers/), fed this job's events
+    made_with: list = field(default_factory=list)  # each engine and base dtype earlier processes ran, oldest first
 
     PROGRESS_EVERY_S = 1.0
 
@@ -129,12 +134,15 @@ class Job:
         preemption.expected_step_s = 0.0  # a build's stage does not inherit the previous stage's step times
         preemption.check()
         preemption.started()
+        report_to = trackers.wanted(o.get("report_to"), inv.command)
+        if report_to:  # before anything is written: a tracker that is missing or cannot write fails the start
+            trackers.check(report_to, state_uri(o), o["name"], inv.command)
         engine_name, reason = choose_engine(o.get("engine"))
         events.engine = engine_name
         group = open_group(engine_name, inv.command)
         uri = state_uri(o)
         state = root = None
-        kept_dtype = None
+        kept_dtype, made = None, []
         if group is None or group.writer:
             config = inv.to_config()
             # The requeue guard's "same settings": a start with another config or grace begins a new count.
@@ -152,13 +160,17 @@ class Job:
             if engine_name == "torch-cpu":  # before the engine is made: a resume runs on the threads it ran on
                 threads.keep(history, cpus().count)
             kept_dtype = kept_base_dtype(history, engine_name)
+            made = made_with(history)
             if inv.command != "build":  # a build's progress is its stages', each guarded as a job of its own
                 requeue.check(state, o.get("max_stalled_starts", requeue.DEFAULT_MAX_STALLED), settings,
                               "row" if inv.command in ("run", "eval", "distill") else "step", history)
         on_place = (lambda info: state.log("place", **info)) if state is not None else None
         notices = start_watcher(o.get("preemption_notice"), preemption, on_place=on_place)
+        reporter = (open_reporter(report_to, inv, root, state, history, engine_name, events, shard)
+                    if report_to and state is not None else None)
         return cls(inv.command, o["name"], events, engine_name, reason, state, preemption, notices, group,
-                   root.uri if root is not None else uri, root=root if shard is not None else None, kept_dtype=kept_dtype)
+                   root.uri if root is not None else uri, root=root if shard is not None else None, kept_dtype=kept_dtype,
+                   reporter=reporter, made_with=made)
 
     def engine_dtype(self, asked: str | None) -> tuple[str | None, str | None]:
         """The base dtype this process's engine takes and why (runtime.engines.registry.base_dtype):
@@ -166,13 +178,14 @@ class Job:
         for the engine's policy."""
         return base_dtype(asked, self.kept_dtype)
 
-    def open_engine(self, engine=None, dtype: str | None = None, width: int | None = None, splits_rows: bool = False):
+    def open_engine(self, engine=None, dtype: str | None = None, width: int | None = None, splits_rows: bool = False,
+                    shape: dict | None = None):
         """This process's engine (made here, or given: tune makes it first to plan its memory),
         with its device, software and base dtype in the history: a resume is bit-identical only
         where they match (`spillpack status` says which applied). `splits_rows`: a tune, whose
         torch-cpu engine splits a micro-batch's rows across its threads."""
         threads.for_model(width, splits_rows)  # a narrow model's ops run on one thread (runtime.base.threads)
-        engine = engine or get_engine(self.engine_name, dtype, width=width, kept=self.kept_dtype)
+        engine = engine or get_engine(self.engine_name, dtype, width=width, kept=self.kept_dtype, shape=shape)
         engine.fit_threads()  # made before the state was read (tune plans with it): the count a resume keeps
         if self.writer:  # rank 0 of a data-parallel group writes for all (its ranks share one device model)
             self.state.log("engine", **engine.describe())
@@ -199,9 +212,17 @@ class Job:
     def close(self, failed: bool = False) -> None:
         # The process's handler stays: a stop after the job's end leaves the exit code alone.
         self.notices.stop()
+        if self.reporter is not None:  # flushed within a few seconds (a preempted job still exits within its grace)
+            self.events.detach(self.reporter)
+            # Stopped by a signal: the trackers get what is left of the grace, less a margin for the exit itself.
+            left = self.preemption.seconds_left() - 1.0 if self.preemption.t_signal is not None else CLOSE_WAIT_S
+            self.reporter.close(max(0.2, min(CLOSE_WAIT_S, left)))
+            for message in self.reporter.warnings():
+                self.events.emit("warning", message=message)
+            self.reporter = None
         # The other ranks wait here for rank 0's last commit; a failed rank does not wait
         # (the launcher ends the group when it exits).
-        if self.group is not None and not failed:
+        if self.group is not None and not failed and not self.group_lost:
             self.group.finish()
 
     @property
@@ -233,6 +254,15 @@ class Job:
                     work.quantum()
             except Abandon:
                 abandoned = True
+            if abandoned and getattr(work, "lockstep", False):
+                # The quantum's collectives (a sharded base's gathers) may hold the other ranks, so
+                # no agreement can follow: this rank commits what it has (rank 0) and leaves, and
+                # the others lose the group (or, stopped too, leave the same way).
+                work.discard()
+                self.stopping(work.done)
+                work.commit()
+                self.group_lost = True
+                return self.preempted(work.done, abandoned_quantum=True)
             if self.agree(abandoned):  # one rank's abandoned quantum is every rank's
                 work.discard()
                 self.stopping(work.done)
@@ -269,7 +299,7 @@ class Job:
             self.state.log("stopping", step=done, signal=self.preemption.signal_name, grace_s=self.preemption.promise_s)
 
     def restored(self, count: int, uri: str) -> None:
-        self.events.emit("restore", step=count, uri=uri)
+        self.events.emit("restore", step=count, uri=uri, made_with=self.made_with)
         if self.writer:
             self.state.log("resume", step=count, uri=uri)
 
@@ -299,6 +329,32 @@ class Job:
         self.events.emit("done", step=step, complete=complete, stopped_early=not complete if stopped_early is None else stopped_early,
                          seconds=round(self.elapsed(), 3), **summary)
         return Outcome(EXIT_OK, complete, {**summary, **({"stopped_early": stopped_early} if stopped_early is not None else {})})
+
+
+def open_reporter(names: list[str], inv, root: JobState, state: JobState, history: list[dict], engine: str, events: Events,
+                  shard: dict | None = None):
+    """The trackers' reporter, attached to `events`: one tracker run per job, recorded in the job's
+    state (`root`); `state`'s history (a shard's own) says whether the previous process was hard killed.
+    The shards of a row job log to the job's one run, each under its own name (`shard-I/...`)."""
+    from runtime.trackers.reporter import Reporter
+
+    config = inv.to_config()
+    params = {k: redact(v) if isinstance(v, str) else v for k, v in {**config["arguments"], **config["options"]}.items() if v is not None}
+    context = {"state": root, "state_uri": root.uri, "job": inv.options["name"], "command": inv.command, "host": state.host,
+               "engine": engine, "params": {"command": inv.command, **params},
+               "shard": shard["shard"] if shard is not None else None}
+    before = requeue.starts(history, state.progress())[:-1]  # the starts before this one
+    if before and before[-1].killed:
+        last = before[-1]
+        unit = "row" if inv.command in ("run", "eval", "distill") else "stage" if inv.command == "build" else "step"
+        committed = max(last.committed) if last.committed else last.began
+        reached = max(last.reached or 0, committed)
+        context["hard_kill"] = {"committed": committed, "text": (
+            f"hard kill: the previous process left no end record (SIGKILL, out of memory or a lost machine); last commit at "
+            f"{unit} {committed}, reached {unit} {reached}: {reached - committed} {unit}(s) done again")}
+    reporter = Reporter(names, context)
+    events.attach(reporter)
+    return reporter
 
 
 def open_group(engine_name: str, command: str):

@@ -12,6 +12,9 @@ from runtime.state.uri import open_store
 
 # One JSONL line is one conversation or request: a longer line is not data of ours.
 MAX_LINE_BYTES = 16 << 20
+# How deep a record's objects and lists may nest. A conversation or a JSON schema nests a few
+# levels (a deep schema some tens); orjson, which writes what is read back out, stops at 254.
+MAX_NESTING = 100
 CHUNK_BYTES = 1 << 20  # data is read in pieces this size (at most MAX_LINE_BYTES: bounded_lines relies on it)
 
 
@@ -102,3 +105,18 @@ def _with_nonfinite(line: bytes):
     except (ValueError, RecursionError, TypeError, orjson.JSONEncodeError):
         return None
     return obj
+
+
+def nesting_past(obj, limit: int = MAX_NESTING) -> bool:
+    """Whether `obj`'s objects and lists nest deeper than `limit` (counted without recursion, so
+    a record built to exhaust the stack is only a record that is too deep)."""
+    stack = [(obj, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(x, dict):
+            stack.extend((v, depth + 1) for v in x.values() if isinstance(v, (dict, list)))
+        elif isinstance(x, list):
+            stack.extend((v, depth + 1) for v in x if isinstance(v, (dict, list)))
+    return False

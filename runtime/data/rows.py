@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from runtime.data.grammars import FormatError, grammar_for
 from runtime.data.messages import normalize
-from runtime.data.jsonl import iter_jsonl
+from runtime.data.jsonl import MAX_NESTING, iter_jsonl, nesting_past
 from runtime.base.errors import SpillpackError
 
 # Body parameters we honour; "model" is the job's model whatever the row says, "n" and
@@ -81,6 +81,9 @@ def parse_rows(raw: bytes, uri: str, max_tokens: int, temperature: float, top_p:
         row = Row(len(rows), n, cid, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                   expected=obj.get("expected"), has_expected=obj.get("expected") is not None)  # null is no answer
         try:
+            if nesting_past(obj):
+                row.expected, row.has_expected = None, False
+                raise _Bad(f"the row nests objects and lists more than {MAX_NESTING} deep", "body")
             _fill(row, obj)
         except _Bad as bad:
             row.error, row.error_param = bad.message, bad.param
@@ -186,6 +189,9 @@ def encode_rows(rows: list[Row], tokenizer, context: int) -> None:
             row.prompt_ids = tokenizer.encode_prompt(row.messages, **row.template_kwargs)
         except SpillpackError as e:
             row.error, row.error_param = e.what, "messages"
+            continue
+        if not row.prompt_ids:  # nothing to generate from (a template that renders nothing for it)
+            row.error, row.error_param = "the chat template renders this conversation as no tokens", "messages"
             continue
         if len(row.prompt_ids) + row.max_tokens > context:
             row.error_param = "messages"

@@ -12,7 +12,7 @@ import numpy as np
 from runtime.data.messages import normalize, weight_problem
 from runtime.base.errors import SpillpackError, UsageError
 from runtime.base.fileio import sha256_bytes
-from runtime.data.jsonl import iter_jsonl, read_bytes
+from runtime.data.jsonl import MAX_NESTING, iter_jsonl, nesting_past, read_bytes
 from runtime.models.tokenizer import is_trained
 
 STEPS_MAX = 2**63 - 1  # the step count a state's records hold (runtime.config.options.INT_MAX)
@@ -55,7 +55,13 @@ class TrainData:
 def train_conversations(raw: bytes, uri: str) -> list[tuple[int, list[dict]]]:
     """(line number, messages) of every example: the checks that need no tokenizer, which
     `spillpack pack` runs too."""
-    return [(n, chat_messages(obj, n, uri)) for n, obj in iter_jsonl(raw, uri)]
+    out = []
+    for n, obj in iter_jsonl(raw, uri):
+        if nesting_past(obj):
+            raise SpillpackError(f"{uri} line {n} nests objects and lists more than {MAX_NESTING} deep; a conversation nests a few",
+                                 f"sed -n {n}p {uri} | head -c 300")
+        out.append((n, chat_messages(obj, n, uri)))
+    return out
 
 
 def load_train_data(uri: str, tokenizer, max_seq: int, bundle=None, select=None, what: str = "training data") -> TrainData:

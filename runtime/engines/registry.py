@@ -39,6 +39,18 @@ def kept_base_dtype(history: list[dict], engine: str) -> str | None:
     return ran[-1] if ran else None
 
 
+def made_with(history: list[dict]) -> list[dict]:
+    """Each engine and base dtype the job's processes ran ({"engine", "dtype"}, distinct, oldest
+    first): what made the rows or steps a state holds."""
+    seen: list[dict] = []
+    for r in history:
+        if r.get("what") == "engine":
+            ran = {"engine": r.get("engine"), "dtype": r.get("dtype")}
+            if ran not in seen:
+                seen.append(ran)
+    return seen
+
+
 def dtype_fields(engine) -> dict:
     """What a job's `start` event says of its base dtype: the dtype and why (None: no engine opened)."""
     if engine is None:
@@ -48,10 +60,11 @@ def dtype_fields(engine) -> dict:
 
 
 def get_engine(name: str, dtype: str | None = None, width: int | None = None, kept: str | None = None,
-               training: bool = False, **kw):
+               training: bool = False, shape: dict | None = None, **kw):
     """`dtype`: --dtype, the frozen base's ("auto" or None: base_dtype above); `width`: the
     model's hidden size; `kept`: the dtype this job ran on this engine before; `training`: the
-    engine is a tune's (a CPU's policy may differ). kw: the torch engine's device and base_dtype
+    engine is a tune's (a CPU's policy may differ); `shape`: the config of the model a row job
+    generates with. kw: the torch engine's device and base_dtype
     (tests and benchmarks run CUDA's arithmetic on a CPU)."""
     asked, why = base_dtype(dtype, kept) if "base_dtype" not in kw else (None, None)
     if name in ("torch-cpu", "torch-cuda"):
@@ -59,7 +72,7 @@ def get_engine(name: str, dtype: str | None = None, width: int | None = None, ke
 
         if asked is not None:
             kw["base_dtype"] = asked  # by name: torch is the engine's to import
-        return TorchEngine(name, width=width, why=why, training=training, **kw)
+        return TorchEngine(name, width=width, why=why, training=training, shape=shape, **kw)
     if name == "mlx":
         from runtime.engines.mlx.engine import MLXEngine
 
@@ -77,6 +90,14 @@ def group_opener(name: str) -> Callable[[], object] | None:
             return ProcessGroup(name)
         return open_torch_group
     return None
+
+
+def sharded_session(engine, group, model_dir, spec, tensors: dict, opt, seed: int = 0):
+    """A tune's train session with the frozen base split across `group`'s ranks (tune --shard-base),
+    on an engine whose group_opener opened `group`."""
+    from runtime.engines.torch.shard import ShardedTrainSession
+
+    return ShardedTrainSession(engine, model_dir, spec, tensors, opt, seed, group)
 
 
 def group_launcher(name: str) -> Callable[..., int] | None:

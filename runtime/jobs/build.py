@@ -151,7 +151,8 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
         command, given = plans[stage]
         given = {**given, "state": store.child_uri(f"stages/{stage}"), "name": f"{o['name']}-{stage}",
                  "stop_after": stop_n if stage == stop_stage else None, "grace_s": o.get("grace_s"),
-                 "max_stalled_starts": o.get("max_stalled_starts")}
+                 "max_stalled_starts": o.get("max_stalled_starts"),
+                 "report_to": "none"}  # the build's own --report-to logs its stages, in one run
         if sharded and stage in SPLIT:
             given.update(shards=split.count, shard=split.index)
         sub = resolve(command, given, headless=events.headless, debug=inv.debug, bundle=inv.bundle)

@@ -27,7 +27,7 @@ from runtime.core.job import Job, Outcome, read_state
 from runtime.base.signals import Abandon
 from runtime.base.fileio import sha256_bytes
 from runtime.engines.generation import Request
-from runtime.engines.registry import dtype_fields
+from runtime.engines.registry import base_dtype, dtype_fields
 from runtime.jobs import estimate, shards
 from runtime.jobs.sizing import plan_rows
 from runtime.models.ref import local_path, resolve_model
@@ -121,6 +121,18 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
         return _run(job, inv, events, task, rows, (tokenizer, model_dir, adapter, job_key))
 
 
+def one_dtype(job: Job, inv, rows: int) -> None:
+    """One output, one dtype: a --dtype (or SPILLPACK_DTYPE) other than the one the state's rows
+    were made in is refused before anything runs, unless --force; `auto` keeps the state's own."""
+    made = sorted({m["dtype"] for m in job.made_with if m.get("dtype")})
+    asked, why = base_dtype(inv.options.get("dtype"), None)
+    if inv.force or not made or asked is None or asked in made:
+        return
+    raise SpillpackError(f"{job.state.uri} holds {rows} rows made in {' and '.join(made)}; {why.split(': ', 1)[1]} would put "
+                         f"{asked} answers beside them in one output",
+                         f"a new --state for the {asked} answers, or --force to mix them, or --dtype auto to keep {made[-1]}")
+
+
 def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tuple["RowsWork", Outcome | None]:
     """Generate every row of `rows` not committed yet: the work, and the Outcome if it stopped."""
     a, o = inv.arguments, inv.options
@@ -129,6 +141,7 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     total = len(rows)
     work = RowsWork(job, task, rows, a[task.model_arg], job_key, o)
     if work.lines:
+        one_dtype(job, inv, len(work.lines))
         job.restored(len(work.lines), state.uri)
     gen_tokens = sum(r.max_tokens for r in work.todo)
     est = estimate.generation_seconds(model_dir.config, sum(len(r.prompt_ids) for r in work.todo), gen_tokens, o["batch"])
@@ -136,7 +149,8 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     generating = work.todo and (o.get("stop_after") is None or work.done < o["stop_after"])
     # The engine first, as a tune's: its dtype and what the process holds with torch imported
     # size the memory plan. Importing torch is never abandoned midway, a stop waits for it.
-    engine = job.open_engine(dtype=o.get("dtype"), width=model_dir.config.get("hidden_size")) if generating else None
+    engine = (job.open_engine(dtype=o.get("dtype"), width=model_dir.config.get("hidden_size"), shape=model_dir.config)
+              if generating else None)
     plan = plan_rows(job.engine_name, engine, model_dir, work.todo, o["batch"]) if generating else None
     events.emit("start", step=len(work.lines), job=o["name"], model=a[task.model_arg],
                 placement=f"{job.engine_name}: {job.engine_reason}", state=state.uri, estimated_seconds=est, total=total, **extra,
@@ -167,6 +181,7 @@ def _run(job: Job, inv, events, task, rows, model) -> Outcome:
     finished = state.markers(OUTPUT_MARKER)
     if finished and store.read(RESULTS) is not None:
         # Done before: deliver the output again (to a new --out) and report it.
+        one_dtype(job, inv, total)
         job.restored(total, store.child_uri(RESULTS))
         out = o.get("out")
         if out and not uri_exists(out):

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import math
 
+from runtime.base import ranks
 from runtime.engines.hardware import memory_for
-from runtime.models.memory import CUDA_CONTEXT_GB, GENERATION_RUNTIME_GB, STEP_RUNTIME_GB, Batch, GenerationPlan, Plan, fit, \
-    generation_plan
+from runtime.base.errors import SpillpackError, UsageError
+from runtime.engines.registry import group_opener
+from runtime.models.memory import CUDA_CONTEXT_GB, GENERATION_RUNTIME_GB, STEP_RUNTIME_GB, Batch, GenerationPlan, NoFit, Plan, \
+    fit, generation_plan
 from runtime.models.weights import tensor_shapes, weight_files
 
 
@@ -44,14 +47,55 @@ def dtype_bytes(engine) -> int:
     return int(getattr(dtype, "itemsize", None) or dtype.size)
 
 
-def plan_tune(engine_name: str, engine, model_dir, spec, data, order, total: int, o: dict) -> Plan:
-    """The plan the job runs under, or NoFit (one line naming what would fit)."""
+def plan_tune(engine_name: str, engine, model_dir, spec, data, order, total: int, o: dict, shards: int = 1) -> Plan:
+    """The plan one rank runs under, or NoFit (one line naming what would fit). `shards`: the
+    ranks the base is split across (runtime/engines/torch/shard.py). A host's memory is shared
+    by the ranks it runs: each plans for its part (--max-mem-gb is already one rank's)."""
     mode = o.get("grad_checkpoint") or "auto"
     available, source, held = memory_for(engine_name, o.get("max_mem_gb"))
+    local = ranks.local_world_size()
+    if local > 1 and engine_name != "torch-cuda" and source != "--max-mem-gb":
+        available, source = available / local, f"{source} / {local} ranks"
     runtime_gb = CUDA_CONTEXT_GB if engine_name == "torch-cuda" else held + STEP_RUNTIME_GB
     params = sum(math.prod(shape) for shape in tensor_shapes(weight_files(model_dir.path)).values())
     return fit(model_dir.config, spec.targets, spec.rank, dtype_bytes(engine), lambda m: job_batches(data, order, total, m),
-               o["batch"], o["grad_accum"], mode, available, source, runtime_gb, params, o["max_seq"], spec.dropout > 0)
+               o["batch"], o["grad_accum"], mode, available, source, runtime_gb, params, o["max_seq"], spec.dropout > 0,
+               shards)
+
+
+def plan_shards(engine_name: str, engine, model_dir, spec, data, order, total: int, o: dict) -> Plan:
+    """plan_tune's plan with --shard-base decided: its `shards` (the ranks the base is split
+    across, or 1) and `shard_why`. auto splits the base where the whole of it does not fit one
+    rank's memory and the ranks can share it."""
+    mode, world = o.get("shard_base") or "off", ranks.world_size()
+    plan_at = lambda shards: plan_tune(engine_name, engine, model_dir, spec, data, order, total, o, shards)
+    # A rank that retries a step at a smaller loss scale would gather its layers alone.
+    scaled = getattr(getattr(engine, "precision", None), "loss_scaling", False)
+    if mode == "on":
+        if scaled:
+            raise SpillpackError(f"--shard-base on does not run a {engine.precision.name} base with loss scaling",
+                                 "the same command with --dtype bfloat16 or float32, or --shard-base off")
+        if group_opener(engine_name) is None:
+            raise SpillpackError(f"--shard-base on splits the base across the ranks of a process group, and the {engine_name} "
+                                 f"engine has none", "the same command with --engine torch-cpu (or torch-cuda) and --nproc 2, "
+                                                     "or --shard-base off")
+        if world == 1:
+            raise UsageError("--shard-base on splits the base across the ranks of a tune, and this one runs as one process",
+                             "the same command with --nproc 2 (or under torchrun), or --shard-base off")
+        shards, why = world, f"--shard-base on: the base split across {world} ranks"
+        plan = plan_at(shards)
+    elif mode == "auto" and world > 1 and group_opener(engine_name) is not None and not scaled:
+        try:
+            shards, why = 1, "--shard-base auto: the whole base fits one rank's memory"
+            plan = plan_at(shards)
+        except NoFit as e:
+            shards, why = world, f"--shard-base auto: the whole base does not fit one rank ({e.what}), so it is split across {world} ranks"
+            plan = plan_at(shards)
+    else:
+        shards, why = 1, ("--shard-base off" if mode == "off" else "--shard-base auto: one process") + ", the whole base on each rank"
+        plan = plan_at(shards)
+    plan.shards, plan.shard_why = shards, why
+    return plan
 
 
 def plan_rows(engine_name: str, engine, model_dir, todo, batch: int) -> GenerationPlan:

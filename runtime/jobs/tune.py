@@ -28,7 +28,7 @@ from runtime.data.train import BatchOrder, collate, load_train_data, rank_rows
 from runtime.data.validation import load_split
 from runtime.jobs.tune_val import Validation
 from runtime.engines import OptimSpec
-from runtime.engines.registry import dtype_fields, get_engine
+from runtime.engines.registry import dtype_fields, get_engine, sharded_session
 from runtime.core.job import Job, Outcome, state_uri
 from runtime.engines.hardware import engine_rate
 from runtime.models.ref import resolve_model
@@ -36,7 +36,7 @@ from runtime.base.signals import Abandon
 from runtime.engines.hardware import choose_engine
 from runtime.base.errors import SpillpackError
 from runtime.jobs import estimate
-from runtime.jobs.sizing import plan_tune
+from runtime.jobs.sizing import plan_shards
 from runtime.state.uri import check_output, open_store
 from runtime.models.tokenizer import Tokenizer
 from runtime.base.threads import start_fields
@@ -91,7 +91,7 @@ def prepare(inv):
     engine_rate(engine_name, engine.describe()["dtype"])  # measured (once per machine) before the engine counts its peak memory
     # Sized before the state is opened: a job refused here leaves no state behind that would
     # refuse the corrected command (a shorter --max-seq is another job).
-    plan = plan_tune(engine_name, engine, model_dir, spec, data, order, total, o)
+    plan = plan_shards(engine_name, engine, model_dir, spec, data, order, total, o)
     return model_dir, tokenizer, data, spec, tensors, order, total, engine, plan, val_data, init
 
 
@@ -133,7 +133,7 @@ def main(inv, events) -> Outcome:
         if job.engine_dtype(o.get("dtype"))[0] not in (None, engine.describe()["dtype"]):
             # A resume of a job begun on another dtype than the policy picks now: it keeps its own.
             engine = get_engine(job.engine_name, o.get("dtype"), width=model_dir.config.get("hidden_size"), kept=job.kept_dtype, training=True)
-            plan = plan_tune(job.engine_name, engine, model_dir, spec, data, order, total, o)
+            plan = plan_shards(job.engine_name, engine, model_dir, spec, data, order, total, o)
         if job.writer:
             job.state.log("plan", **plan.to_dict())
         job.open_engine(engine, width=model_dir.config.get("hidden_size"), splits_rows=True)
@@ -142,7 +142,9 @@ def main(inv, events) -> Outcome:
         resume = init_adapter.resume_of(init, identity) if init is not None and latest is None and job.writer else None
         try:
             with job.preemption.setup():
-                session = engine.train_session(model_dir, spec, tensors, OptimSpec(weight_decay=o["weight_decay"]), o["seed"])
+                opt = OptimSpec(weight_decay=o["weight_decay"])  # with --shard-base, the base split across the ranks:
+                session = (sharded_session(engine, job.group, model_dir, spec, tensors, opt, o["seed"]) if plan.shards > 1
+                           else engine.train_session(model_dir, spec, tensors, opt, o["seed"]))
                 session.grad_checkpoint = plan.grad_checkpoint
                 session.pad_id = tokenizer.pad_token_id or 0
                 if latest is not None:
@@ -175,6 +177,7 @@ def main(inv, events) -> Outcome:
                     state=job.state_uri, estimated_seconds=est, steps=total, **start_fields(job.engine_name, cpus().count), **dtype_fields(engine), rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
                     estimated_peak_gb=round(plan.estimate.peak_gb, 3), memory_gb=round(plan.available_gb, 3),
                     memory_from=plan.available_from, micro_batch=plan.micro_batch, grad_checkpoint=plan.grad_checkpoint,
+                    shard_base=plan.shards > 1, shard_reason=plan.shard_why,
                     message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "
                             f"({len(data.examples)} examples, {data.dropped_long} longer than --max-seq dropped) on {job.engine_name}, "
                             f"about {_fmt(est)}; {plan.describe()}; state at {job.state_uri}")
@@ -222,6 +225,7 @@ class TuneWork:
         self._val_dirty = False  # an eval settled since the last commit
         self.data, self.order, self.total, self.o, self.identity = data, order, total, o, identity
         self.micro_batch = micro_batch  # rows per forward/backward, from the memory plan
+        self.lockstep = getattr(session, "lockstep", False)  # its quanta hold collectives (a sharded base's gathers)
         self.done = self.committed = 0
         self.losses: list[float] = []
         self._t0, self._result, self._targets = 0.0, None, 0
@@ -250,6 +254,8 @@ class TuneWork:
         rank, world = (group.rank, group.world) if group is not None else (0, 1)
         mine = rank_rows(step, rank, world)
         batches = [(*collate([examples[i] for i in mb], self.session.pad_id), np.array(places)) for mb, places in mine]
+        if self.lockstep:  # as many passes on every rank (a sharded base gathers in each)
+            batches += [None] * (max(len(rank_rows(step, r, world)) for r in range(world)) - len(batches))
         self._result = self.session.forward_backward(batches, self._targets, self.done)
 
     def discard(self) -> None:
@@ -281,13 +287,14 @@ class TuneWork:
                 f"the state keeps its last good checkpoint (step {self.committed})",
                 f"a smaller --lr than {o['lr']:g} (or a larger --warmup) with a new --state",
             )
-        self.session.apply(learning_rate(self.done, self.total, o["lr"], o["warmup"], o["schedule"]))
+        lr = learning_rate(self.done, self.total, o["lr"], o["warmup"], o["schedule"])
+        self.session.apply(lr)
         self.done += 1
         self.losses.append(loss)
         dt = time.perf_counter() - self._t0
         self._times = (self._times + [dt])[-10:]
         eta = (sum(self._times) / len(self._times)) * (self.total - self.done)
-        self.job.events.emit("step", step=self.done, steps=self.total, step_s=round(dt, 4), loss=round(loss, 6),
+        self.job.events.emit("step", step=self.done, steps=self.total, step_s=round(dt, 4), loss=round(loss, 6), lr=lr,
                              tokens_per_s=round(tokens / dt, 1), peak_mem_gb=round(self.engine.peak_mem_gb(), 3), eta_s=round(eta, 1))
         if self.val is not None and self.val.due(self.done, self.total):
             self.val.pending = True

@@ -96,6 +96,8 @@ class Plan:
     batch: int = 0  # the job's --batch and --grad-accum, for the description
     grad_accum: int = 1
     tried: list = field(default_factory=list)
+    shards: int = 1  # ranks the base is split across (tune --shard-base)
+    shard_why: str = ""  # why it is, or is not
 
     @property
     def split(self) -> bool:
@@ -110,6 +112,8 @@ class Plan:
         ckpt = "checkpointing on" if self.grad_checkpoint else "checkpointing off"
         split = (f"micro-batch {self.micro_batch} x {self.accum} (split from {self.batch} x {self.grad_accum})"
                  if self.split else f"micro-batch {self.micro_batch} x {self.accum}")
+        if self.shards > 1:
+            ckpt += f", the base split across {self.shards} ranks"
         return (f"{split}, {ckpt}: about {self.estimate.peak_gb:.1f} GB at the longest micro-batch "
                 f"({self.longest.rows} x {self.longest.seq} tokens) of {self.available_gb:.1f} GB ({self.available_from})")
 
@@ -117,6 +121,7 @@ class Plan:
         return {"micro_batch": self.micro_batch, "grad_accum": self.accum, "grad_checkpoint": self.grad_checkpoint,
                 "estimated_peak_gb": round(self.estimate.peak_gb, 3), "available_gb": round(self.available_gb, 3),
                 "available_from": self.available_from, "longest": [self.longest.rows, self.longest.seq, self.longest.targets],
+                "shards": self.shards,
                 **self.estimate.parts()}
 
     def candidates(self) -> list[dict]:
@@ -180,11 +185,25 @@ def layer_bytes_per_token(config: dict, targets: tuple, rank: int, act_bytes: in
     return kept_bytes, transient
 
 
-def estimate(config: dict, targets: tuple, rank: int, act_bytes: int, batch: Batch, grad_checkpoint: bool,
-             runtime_gb: float, params: int | None = None, dropout: bool = False) -> Estimate:
-    """The predicted peak of one forward/backward over `batch` (plus the optimizer's state)."""
+def weights_per_rank(config: dict, params: int, shards: int = 1) -> float:
+    """Base parameters one rank holds at a step's peak. Sharded across `shards` ranks (FSDP2, one
+    unit per decoder layer and the root for the rest): its share of every tensor, the root's
+    weights (embedding, final norm, an untied head) gathered whole for the step, and two layers
+    gathered whole at once (the one running and the one fetched ahead of it)."""
+    if shards <= 1:
+        return params
     a = _args(config)
-    weights = (params if params is not None else base_params(config)) * act_bytes
+    root = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2) + a.hidden_size
+    layer = max(0, params - root) / a.num_hidden_layers
+    return params / shards + root + 2 * layer
+
+
+def estimate(config: dict, targets: tuple, rank: int, act_bytes: int, batch: Batch, grad_checkpoint: bool,
+             runtime_gb: float, params: int | None = None, dropout: bool = False, shards: int = 1) -> Estimate:
+    """The predicted peak of one forward/backward over `batch` (plus the optimizer's state), on
+    one of `shards` ranks that split the base (weights_per_rank)."""
+    a = _args(config)
+    weights = weights_per_rank(config, params if params is not None else base_params(config), shards) * act_bytes
     lora_params = sum(rank * (i + o) for name, (i, o) in a.lora_linears().items() if name.split(".")[-1] in targets)
     lora = lora_params * a.num_hidden_layers * 4 * 4  # tensors, gradients, two moments
     kept, transient = layer_bytes_per_token(config, targets, rank, act_bytes, grad_checkpoint, dropout)
@@ -216,7 +235,7 @@ class NoFit(SpillpackError):
 
 def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, batch: int, grad_accum: int, mode: str,
         available_gb: float, available_from: str, runtime_gb: float, params: int | None = None,
-        max_seq: int | None = None, dropout: bool = False) -> Plan:
+        max_seq: int | None = None, dropout: bool = False, shards: int = 1) -> Plan:
     """The plan a step runs under. `batches_at(m)` lists the job's micro-batches (as Batch) when
     each step's examples run m rows at a time. auto: the job's micro-batch as given, then with
     checkpointing, then micro-batches halved (4 x 1, 2 x 2, 1 x 4) until it fits; on: always
@@ -235,7 +254,8 @@ def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, bat
     for m, ckpt in order:
         if m not in shapes:
             shapes[m] = batches_at(m)
-        worst = max(((estimate(config, targets, rank, act_bytes, b, ckpt, runtime_gb, params, dropout), b) for b in shapes[m]),
+        worst = max(((estimate(config, targets, rank, act_bytes, b, ckpt, runtime_gb, params, dropout, shards), b)
+                     for b in shapes[m]),
                     key=lambda eb: eb[0].peak_gb)
         tried.append(Plan(m, ckpt, worst[0], worst[1], available_gb, available_from, batch, grad_accum))
     for plan in tried:
@@ -243,7 +263,8 @@ def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, bat
             plan.tried = tried
             return plan
     last = tried[-1]
-    raise NoFit(_no_fit_line(last, mode), _suggestion(config, targets, rank, act_bytes, last, runtime_gb, params, max_seq, dropout))
+    raise NoFit(_no_fit_line(last, mode),
+                _suggestion(config, targets, rank, act_bytes, last, runtime_gb, params, max_seq, dropout, shards))
 
 
 def _no_fit_line(last: Plan, mode: str) -> str:
@@ -252,16 +273,16 @@ def _no_fit_line(last: Plan, mode: str) -> str:
     return f"tune needs about {last.estimate.peak_gb:.1f} GB at micro-batch 1 {how}; {where} {last.available_gb:.1f} GB"
 
 
-def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params, max_seq, dropout) -> str:
+def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params, max_seq, dropout, shards: int = 1) -> str:
     """The longest --max-seq that would fit at micro-batch 1 with checkpointing, else the memory needed."""
     longest = last.longest
     seq = min(max_seq or longest.seq, longest.seq)
     while seq >= 32:
         seq //= 2
         shorter = Batch(1, seq, max(1, longest.targets * seq // max(1, longest.seq)))
-        if estimate(config, targets, rank, act_bytes, shorter, True, runtime_gb, params, dropout).peak_gb <= last.available_gb:
+        if estimate(config, targets, rank, act_bytes, shorter, True, runtime_gb, params, dropout, shards).peak_gb <= last.available_gb:
             return f"spillpack tune ... --max-seq {seq}"
-    floor = estimate(config, targets, rank, act_bytes, Batch(1, 32, 16), True, runtime_gb, params, dropout).peak_gb
+    floor = estimate(config, targets, rank, act_bytes, Batch(1, 32, 16), True, runtime_gb, params, dropout, shards).peak_gb
     return f"a machine with at least {floor:.1f} GB free (the weights alone need {last.estimate.weights_gb:.1f} GB), or a smaller model"
 
 
@@ -357,6 +378,6 @@ def generation_plan(config: dict, act_bytes: int, slots: int, max_len: int, long
     # Logits: one row per slot, float32 for sampling (a copy when the base is not float32).
     logits = slots * a.vocab_size * (4 + (act_bytes if act_bytes != 4 else 0))
     activations = tokens * per_token + gathered + mask + scores + logits
-    rows = min(slots, tokens)
+    rows = max(min(slots, tokens), 1)
     return GenerationPlan(weights / GB, kv / GB, activations / GB, runtime_gb, slots, max_len, (rows, tokens // rows),
                           dict(quantized or {}))

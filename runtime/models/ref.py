@@ -201,7 +201,11 @@ def validate_gguf(path: Path, tag: Tag | None = None) -> ModelDir:
     config = check(path)
     architecture_ = architecture(config, str(path))
     arch = architecture_.model_type
-    check_model_config(architecture_.effective_config(config), architecture_.args, str(path))  # as a directory's config is
+    from runtime.models.gguf.config import key_names
+    from runtime.models.gguf.model import open_gguf, tensor_shapes
+
+    check_model_config(architecture_.effective_config(config), architecture_.args, str(path),  # as a directory's config is
+                       tensor_shapes(path), key_names(open_gguf(path)))
     # A GGUF holds Gemma 3's language model only, whichever size the tag names.
     if tag is not None and arch != tag.arch and {arch, tag.arch} != {"gemma3", "gemma3_text"}:
         raise SpillpackError(f"{path} holds a {arch} model, but the tag expects {tag.arch!r}",
@@ -227,14 +231,15 @@ def validate(path: Path, tag: Tag | None = None) -> ModelDir:
     architecture_ = architecture(config, str(config_file))
     arch = architecture_.model_type
     config = architecture_.effective_config(config)
-    check_model_config(config, architecture_.args, str(config_file))  # every field the engines read, before they read it
     if tag is not None and arch != tag.arch:
         raise SpillpackError(
             f"{config_file} has model_type {arch!r}, but the tag expects {tag.arch!r}",
             f"--weights pointing at a download of {tag.hf_repo}",
         )
+    shapes = {}
     for f in weight_files(path):
         if not f.exists():
             raise SpillpackError(f"{f.name} is named in model.safetensors.index.json but missing from {path}", f"re-download the weights into {path}")
-        read_safetensors_header(f)
+        shapes.update((k, v["shape"]) for k, v in json.loads(read_safetensors_header(f)).items() if k != "__metadata__")
+    check_model_config(config, architecture_.args, str(config_file), shapes)  # every field the engines read, before they read it
     return ModelDir(path=path.resolve(), config=config, arch=arch)

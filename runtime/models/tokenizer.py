@@ -8,6 +8,7 @@ sequences match what the model was trained on.
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -45,10 +46,27 @@ def _ids(value) -> list[int]:
     return [value] if isinstance(value, int) else [int(v) for v in value]
 
 
-# A render's bounds: items all its range() calls may yield together, and characters it may
-# write. A real template renders a conversation in a few kilobytes with no range() to speak of.
+# A render's bounds (runtime.models.template_sandbox): items all its range() calls may yield
+# together, characters it may build beyond the conversation's own, and seconds. A real template
+# renders a conversation in a few kilobytes and a millisecond, with no range() to speak of.
 RANGE_BUDGET = 100_000
-OUTPUT_MAX = 64 << 20
+MAX_BYTES = 1 << 20
+MAX_SECONDS = 5.0
+MAX_JSON_INDENT = 8  # tojson(indent=...): real templates indent by 2 or 4
+
+
+def _bound(name: str, default: float, kind=int) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = 0
+    if not value > 0:
+        raise SpillpackError(f"{name}={raw!r} is not a positive {'whole ' if kind is int else ''}number",
+                             f"unset {name}, or e.g. {name}={kind(default * 4)}")
+    return value
 
 
 def compile_template(source: str):
@@ -64,15 +82,20 @@ def compile_template(source: str):
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # Jinja's own tojson escapes HTML characters; transformers' (and so the models') does not.
+        if isinstance(indent, int) and indent > MAX_JSON_INDENT or isinstance(indent, str) and len(indent) > MAX_JSON_INDENT:
+            raise jinja2.exceptions.SecurityError(f"tojson is asked to indent by {indent!r}; at most {MAX_JSON_INDENT}")
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(format):
         return datetime.now().strftime(format)
 
-    env = BoundedSandbox(RANGE_BUDGET, OUTPUT_MAX, trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = BoundedSandbox(RANGE_BUDGET, _bound("SPILLPACK_TEMPLATE_MAX_BYTES", MAX_BYTES),
+                         _bound("SPILLPACK_TEMPLATE_MAX_SECONDS", MAX_SECONDS, float),
+                         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    env.finish_setup()
     return env.from_string(source)
 
 
@@ -177,6 +200,10 @@ class Tokenizer:
                 self._template, messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
                 **self.special_tokens, **variables
             )
+        except jinja2.exceptions.SecurityError as e:
+            raise SpillpackError(f"the chat template of {self.path} refused the conversation: {e}",
+                                 "a model whose chat template you trust; docs/models.md#chat-templates says what a template may do "
+                                 "and how to raise its bounds") from None
         except (jinja2.exceptions.TemplateError, OverflowError, RecursionError, MemoryError) as e:
             raise SpillpackError(f"the chat template of {self.path} refused the conversation: {e}", "check the roles and order of the messages")
 

@@ -106,15 +106,20 @@ def tensor_shapes(files) -> dict[str, tuple]:
     return out
 
 
-def read_tensors(files, quantized: bool = False):
+def read_tensors(files, rows=None, quantized: bool = False):
     """(name, safetensors dtype, numpy array) for each tensor, one at a time, in file order
-    (a GGUF's dequantized to float32, under the Hugging Face names; with `quantized`, its
-    quantized weights as (name, type, QuantTensor), runtime.models.gguf.tensors)."""
+    (a GGUF's dequantized to float32, under the Hugging Face names). `rows(name, shape)`: the
+    (lo, hi) rows of the first dimension to read, or None for the whole tensor; a safetensors
+    file is read for those rows' bytes alone (a rank of a sharded base reads its own part).
+    With `quantized`, a GGUF's quantized weights come as (name, type, QuantTensor),
+    runtime.models.gguf.tensors (never with `rows`: a sharded base is a tune's, dense)."""
     for f in files:
         if is_gguf_file(f):
             from runtime.models.gguf.model import read_tensors as gguf_tensors
 
-            yield from gguf_tensors(f, quantized)
+            for name, kind, array in gguf_tensors(f, quantized):
+                part = rows(name, array.shape) if rows is not None and array.ndim else None
+                yield name, kind, (array if part is None else array[part[0]:part[1]].copy())
             continue
         raw = read_safetensors_header(f)
         header, start = json.loads(raw), 8 + len(raw)
@@ -126,11 +131,17 @@ def read_tensors(files, quantized: bool = False):
                     raise SpillpackError(f"{f}: tensor {name} has dtype {info['dtype']}, which spillpack does not read",
                                          "a checkpoint in float32, float16 or bfloat16")
                 lo, hi = info["data_offsets"]
-                array = np.empty(tuple(info["shape"]), dtype=kind)
-                view = memoryview(array.reshape(-1).view(np.uint8))
+                shape = tuple(info["shape"])
+                array = np.empty(shape, dtype=kind)
                 if array.nbytes != hi - lo:
                     raise SpillpackError(f"cannot read {f}: tensor {name} has {hi - lo} bytes for shape {info['shape']}",
                                          f"re-download the weights into {f.parent}")
+                part = rows(name, shape) if rows is not None and shape else None
+                if part is not None:  # a run of whole rows of a C-ordered tensor: one contiguous range of its bytes
+                    row_bytes = array.nbytes // shape[0] if shape[0] else 0
+                    array = np.empty((part[1] - part[0], *shape[1:]), dtype=kind)
+                    lo += part[0] * row_bytes
+                view = memoryview(array.reshape(-1).view(np.uint8))
                 fh.seek(start + lo)
                 got = 0
                 while got < len(view):

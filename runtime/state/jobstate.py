@@ -15,6 +15,8 @@ Layout:
     invocation.json                   the resolved config of the newest run (what `spillpack resume` runs)
     progress/<writer>.json            how far each process got, overwritten now and then: after a
                                       hard kill, `spillpack status` tells how much work was repeated
+    trackers/<tracker>.json           the tracker run a --report-to job logs to (log dir, run id),
+                                      created exclusively by the first process that reports to it
   a row job split with --shards N (runtime/jobs/shards.py) also has:
     shards/<I>/...                    shard I's own state, the same layout as above (its job.json adds
                                       the shard, its rows and the job's shard count); a "shard-done"
@@ -271,6 +273,18 @@ class JobState:
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 continue
         return out
+
+    # -- the tracker runs of --report-to (runtime/trackers/) ----------------------------------
+
+    def tracker_run(self, tracker: str) -> dict | None:
+        """The run `tracker` logs this job to, as the first process that reported to it decided."""
+        return self.read_json(f"trackers/{tracker}.json")
+
+    def claim_tracker_run(self, tracker: str, record: dict) -> dict:
+        """Record `record` as the job's run for `tracker` unless one is recorded: the recorded one."""
+        if self.store.create(f"trackers/{tracker}.json", orjson.dumps(record, option=orjson.OPT_SORT_KEYS)):
+            return record
+        return self.tracker_run(tracker) or record
 
     # -- history ---------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from runtime.config.commands import COMMANDS as JOB_COMMANDS
 from runtime.jobs.inputs import check_inputs
 
 from spillpack.schedulers import files as schedulers
-from . import engines, image, inputs, wheels, zipapp
+from . import engines, image, inputs, trackers, wheels, zipapp
 from .bundle import Writer, run_sh
 
 
@@ -37,6 +37,9 @@ def _pack_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--with-torch", choices=("cpu", "cuda"), help="also carry torch as wheels, installed on first start")
     p.add_argument("--with-mlx", action="store_true",
                    help="also carry mlx as wheels for the Apple silicon targets (macosx_*_arm64), installed on first start")
+    p.add_argument("--with-tracker", action="append", metavar="NAME", choices=("tensorboard", "mlflow", "wandb"),
+                   help="also carry this tracker's wheels (repeatable; the job's --report-to trackers are carried anyway, "
+                        "but wandb only when named here)")
     p.add_argument("--include-weights", action="store_true", help="also bundle local model weights")
     p.add_argument("--scheduler", action="append", choices=schedulers.KINDS,
                    help="also write the job's file for skypilot, slurm or kubernetes beside the bundle (repeatable)")
@@ -63,7 +66,7 @@ def split_args(ns: dict) -> tuple[dict, list[str]]:
     later, rest = p.parse_known_args(ns.get("job") or [])
     merged = dict(ns)
     for k, v in vars(later).items():
-        if k in ("platform", "scheduler"):
+        if k in ("platform", "scheduler", "with_tracker"):
             merged[k] = (ns.get(k) or []) + (v or [])
         elif v is not None and v is not False:  # 0 is a value (refused by its own rule), not "not given"
             merged[k] = v
@@ -138,6 +141,7 @@ def main(ns: dict, events) -> int:
     platforms = sorted({wheels.check_tag(t) for t in ns.get("platform") or [wheels.host_tag()]})
     with_torch, with_mlx = ns.get("with_torch"), bool(ns.get("with_mlx"))
     engines.check(platforms, with_torch, with_mlx)
+    tracker_names = trackers.chosen(inv.options.get("report_to"), ns.get("with_tracker"), inv.command)
 
     values = {**inv.arguments, **inv.options}
     plan = inputs.plan(values, ns.get("include_weights", False))
@@ -151,6 +155,10 @@ def main(ns: dict, events) -> int:
     reqs = wheels.requirements(inputs.uses_s3(values))
     per_platform = {t: wheels.fetch(t, python, reqs) for t in platforms}
     carried = engines.carried(platforms, python, with_torch, with_mlx)
+    for t in platforms:
+        extra = trackers.carried(tracker_names, t, python, per_platform[t])
+        if extra:
+            carried[t] = carried.get(t, []) + extra
     usable = {t: engines.usable(t, with_torch, with_mlx) for t in platforms}
 
     with Writer(out) as w:
@@ -183,7 +191,7 @@ def main(ns: dict, events) -> int:
         carries = zipapp.carries(per_platform)
         manifest = Manifest(packer=f"spillpack {__version__}", command=inv.command, name=name, python=python,
                             platforms=platforms, zipapp={"entry_point": zipapp.ENTRY_POINT, "carries": carries},
-                            with_torch=with_torch, with_mlx=with_mlx, engines=usable)
+                            with_torch=with_torch, with_mlx=with_mlx, engines=usable, trackers=tracker_names)
         total = sum(e.size for e in w.entries.values())
         w.finish(manifest)
 

@@ -216,14 +216,24 @@ def sentencepiece_tokenizer() -> dict:
             "template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"}
 
 
+# write_minimal's short key names -> the GGUF keys they write (under the file's architecture)
+FULL_KEYS = {"context_length": "context_length", "embedding_length": "embedding_length", "block_count": "block_count",
+             "feed_forward_length": "feed_forward_length", "head_count": "attention.head_count",
+             "head_count_kv": "attention.head_count_kv", "rms_eps": "attention.layer_norm_rms_epsilon"}
+
+
 def write_minimal(path: Path, tiny_dir: Path, *, arch: str = "llama", drop_keys=(), qtype: str = "F32",
-                  tokenizer: dict | None = None, head_count=2) -> Path:
+                  tokenizer: dict | None = None, head_count=2, overrides: dict | None = None) -> Path:
     """A one-layer llama-shaped GGUF from numpy alone (no transformers): the file the bad-input
     tests start from. `drop_keys` leaves metadata out; `qtype` is the type of the 2-D weights;
     `tokenizer` (sentencepiece_tokenizer()) replaces tiny's byte-level BPE; `head_count`: the
-    metadata's (a hostile one: 0, or a string)."""
+    metadata's (a hostile one: 0, or a string); `overrides`: short key (or full GGUF key) ->
+    (value, gguf.GGUFValueType) written instead of the file's own value."""
     import gguf
 
+    overrides = {f"{arch}.{FULL_KEYS[k]}" if k in FULL_KEYS else k: v for k, v in (overrides or {}).items()}
+    drop_keys = tuple(drop_keys) + tuple(k for k in FULL_KEYS if f"{arch}.{FULL_KEYS[k]}" in overrides) + tuple(
+        k for k in overrides if k.startswith("tokenizer."))
     tk = tokenizer or _tiny_tokenizer(tiny_dir)
     d, inter, heads, vocab = 32, 64, 2, len(tk["tokens"])
     w = gguf.GGUFWriter(str(path), arch)
@@ -245,6 +255,11 @@ def write_minimal(path: Path, tiny_dir: Path, *, arch: str = "llama", drop_keys=
     for key, add in keys.items():
         if key not in drop_keys:
             add()
+    for key, (value, vtype) in overrides.items():
+        sub = None
+        if vtype == gguf.GGUFValueType.ARRAY and value:
+            sub = gguf.GGUFValueType.STRING if isinstance(value[0], str) else gguf.GGUFValueType.INT32
+        w.add_key_value(key, value, vtype, sub_type=sub)
     rng = np.random.default_rng(0)
     shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,), "blk.0.attn_norm.weight": (d,),
               "blk.0.ffn_norm.weight": (d,), "blk.0.attn_q.weight": (d, d), "blk.0.attn_k.weight": (d, d),

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # Bottom to top: a folder may import its own modules and the folders below it, never one above.
-LAYERS = ("base", "bootstrap", "state", "models", "data", "engines", "core", "config", "jobs", "commands", "cli")
+LAYERS = ("base", "bootstrap", "state", "models", "data", "engines", "trackers", "core", "config", "jobs", "commands", "cli")
 # runtime/*.py: the package root holds only the version (every import of runtime.x runs it);
 # the others are the command line and the entry points, on top.
 ROOT_MODULES = {"runtime": None, "runtime.cli": "cli", "runtime.entry": "cli", "runtime.__main__": "cli"}

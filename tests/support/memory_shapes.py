@@ -15,6 +15,9 @@ from pathlib import Path
 import numpy as np
 
 SHAPES = {
+    # The narrowest width a native-bfloat16 CPU may generate in bfloat16 (its decode step is measured), two layers.
+    "narrow-512": dict(model_type="llama", hidden_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                       intermediate_size=1024, vocab_size=2048, tie_word_embeddings=True, rope_theta=10000.0),
     # ~100M: a GPT-2-small-sized Llama.
     "100m": dict(model_type="llama", hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                  intermediate_size=2048, vocab_size=32000, tie_word_embeddings=False, rope_theta=10000.0),

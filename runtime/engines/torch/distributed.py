@@ -24,14 +24,17 @@ import torch
 import torch.distributed as dist
 
 from runtime.base.errors import SpillpackError
+from runtime.base.signals import PROMISE_S, process_handler
 
 # Long enough for rank 0 to write a merged model while the others wait at the last barrier.
 TIMEOUT = datetime.timedelta(minutes=30)
+SHARD_TIMEOUT_MIN_S = 30.0  # the shard group's timeout: the job's grace, never less than this
 
 
-def _collective(fn):
+def collective(fn):
     """A collective whose peer is gone (crashed, killed, out of memory) is one line, not gloo's or
-    NCCL's page: the rank that failed said why, and the launcher ends the group."""
+    NCCL's page: the rank that failed said why, and the launcher ends the group. For a method of
+    an object with `rank` and `world` (a ProcessGroup; a sharded session, whose steps gather)."""
     @functools.wraps(fn)
     def wrapped(self, *args, **kw):
         try:
@@ -60,26 +63,31 @@ class ProcessGroup:
             self.backend, self.device = "gloo", torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group(self.backend, timeout=TIMEOUT)
+        # The group a sharded base's gathers run on (runtime/engines/torch/shard.py), made here where
+        # every rank makes it at the same point: they wait only on the other ranks' share of the same
+        # step, so a rank that is gone ends them within the job's grace, not TIMEOUT.
+        grace = getattr(process_handler(), "promise_s", PROMISE_S)
+        self.shard_group = dist.new_group(timeout=datetime.timedelta(seconds=max(SHARD_TIMEOUT_MIN_S, grace)))
         self.hosts = self._gather_hosts()
 
     @property
     def writer(self) -> bool:
         return self.rank == 0
 
-    @_collective
+    @collective
     def _gather_hosts(self) -> list[str]:
         hosts: list = [None] * self.world
         dist.all_gather_object(hosts, socket.gethostname())
         return hosts
 
-    @_collective
+    @collective
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on any: the stop flag, an abandoned step."""
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 
-    @_collective
+    @collective
     def sum_gradients(self, session, loss_sum: float, tokens: int) -> tuple[float, int]:
         """Sum every rank's LoRA gradients (one flat buffer, one all-reduce) into the session's
         parameters, and the step's loss sum and token count; a rank with no share adds zeros."""
@@ -97,14 +105,14 @@ class ProcessGroup:
         dist.all_reduce(stats)
         return float(stats[0].item()), int(stats[1].item())
 
-    @_collective
+    @collective
     def from_writer(self, payload):
         """Rank 0's `payload` on every rank (the restored checkpoint: only rank 0 reads state)."""
         box = [payload if self.writer else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    @_collective
+    @collective
     def finish(self) -> None:
         """Every rank waits for rank 0's last commit or outputs, then leaves the group."""
         try:

@@ -27,6 +27,7 @@ from runtime.engines.torch.models import load_checkpoint, load_model, routed_tok
 from runtime.engines.torch.models.layout import cpu_training_layout
 from runtime.engines.torch.row_threads import RowThreads
 from runtime.engines.torch.optim import AdamW
+from runtime.engines.torch.decode_dtype import generation_precision
 from runtime.engines.torch.precision import LossScaler, device_precision, grads_finite, precision_of
 from runtime.engines import OptimSpec
 
@@ -98,18 +99,29 @@ def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec,
     return params
 
 
+def freeze(model: nn.Module, engine) -> None:
+    """The base frozen, and laid out for a tune's GEMMs on a float32 CPU base."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if engine.device.type == "cpu" and engine.base_dtype == torch.float32:
+        cpu_training_layout(model)
+
+
+def step_loss(model, ids: torch.Tensor, labels: torch.Tensor, chunk: int, g: float) -> torch.Tensor:
+    """The summed loss of (B, T) `ids` at `labels` (-100: no loss), its graph kept where grad is enabled."""
+    # Right padding under a causal mask: real tokens never see the pads after them.
+    hidden = model.hidden_states(ids)  # (B, T, D)
+    keep = labels != -100  # (B, T)
+    return target_loss(model, hidden[keep], labels[keep], chunk, g)  # only positions with loss
+
+
 class TorchTrainSession:
     def __init__(self, engine: "TorchEngine", model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0):
         self.engine, self.spec, self.model_dir, self.seed = engine, spec, model_dir, seed
         if engine.device.type == "cpu":
             return_freed_memory(TRAIN_MMAP_THRESHOLD)  # a step's freed activations reused by the next, not re-faulted
-        self.model = load_model(model_dir, dtype=engine.base_dtype, device=engine.device)
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        if engine.device.type == "cpu" and engine.base_dtype == torch.float32:
-            cpu_training_layout(self.model)
         self.keys = DropoutKeys() if spec.dropout > 0 else None
-        self.params = apply_lora(self.model, tensors, spec, engine.device, self.keys)
+        self.model, self.params = self._build(model_dir, tensors)
         self.names = sorted(self.params)
         self.optimizer = AdamW([self.params[n] for n in self.names], betas=opt.betas, eps=opt.eps,
                                weight_decay=opt.weight_decay)
@@ -120,7 +132,15 @@ class TorchTrainSession:
         # and on a 16-bit base the head's output and the gradient handed back to it.
         self.loss_chunk = loss_chunk(self.model.args.vocab_size, 4 if engine.base_dtype == torch.float32 else 8)
         # On a CPU a micro-batch's rows are split across the job's threads (row_threads.py).
-        self.rows = RowThreads(torch.get_num_threads() if engine.device.type == "cpu" else 1)
+        self.rows = RowThreads(torch.get_num_threads() if engine.device.type == "cpu" and self.splits_rows else 1)
+
+    splits_rows = True  # a micro-batch's rows may run on several threads at once
+
+    def _build(self, model_dir, tensors: dict):
+        """The frozen base with its LoRA wrappers, and the trainable parameters by name."""
+        model = load_model(model_dir, dtype=self.engine.base_dtype, device=self.engine.device)
+        freeze(model, self.engine)
+        return model, apply_lora(model, tensors, self.spec, self.engine.device, self.keys)
 
     @property
     def grad_checkpoint(self) -> bool:
@@ -185,11 +205,10 @@ class TorchTrainSession:
         dev = self.engine.device
         if self.keys is not None and rows is not None:  # this thread's, until its backward is over (a recomputed layer reads them)
             self.keys.tokens = torch.from_numpy(token_keys(self.seed, step, rows, ids.shape[1])).to(dev)
-        labels_t = torch.from_numpy(labels).to(dev)
-        # Right padding under a causal mask: real tokens never see the pads after them.
-        hidden = self.model.hidden_states(torch.from_numpy(ids).to(dev))  # (B, T, D)
-        keep = labels_t != -100  # (B, T)
-        return target_loss(self.model, hidden[keep], labels_t[keep], chunk, g)  # only positions with loss
+        return self._forward_loss(torch.from_numpy(ids).to(dev), torch.from_numpy(labels).to(dev), chunk, g)
+
+    def _forward_loss(self, ids: torch.Tensor, labels: torch.Tensor, chunk: int, g: float) -> torch.Tensor:
+        return step_loss(self.model, ids, labels, chunk, g)
 
     def _grads(self, ids, labels, rows, step: int, g: float, chunk: int) -> tuple[float, tuple]:
         """A part's loss and its gradients for the LoRA parameters (in self.names' order), taken by
@@ -290,10 +309,11 @@ class TorchTrainSession:
 class TorchEngine:
     """`device` and `base_dtype` default to what the engine's name and the device call for;
     `width` is the model's hidden size (the CPU's dtype policy needs it), `why` says where a
-    given `base_dtype` came from, `training` whether the engine is for a tune (the policy may differ)."""
+    given `base_dtype` came from, `training` whether the engine is for a tune (the policy may differ),
+    `shape` the config of the model a row job generates with (its decode step may be measured)."""
 
     def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | str | None = None,
-                 width: int | None = None, why: str | None = None, training: bool = False):
+                 width: int | None = None, why: str | None = None, training: bool = False, shape: dict | None = None):
         self.name = name
         base_dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) else base_dtype
         self.device = torch.device(device if device is not None else ("cuda" if name == "torch-cuda" else "cpu"))
@@ -301,7 +321,12 @@ class TorchEngine:
         if self.device.type == "cpu":
             return_freed_memory()
             fit_threads(self.device)
-        self.precision = device_precision(self.device, width, training) if base_dtype is None else precision_of(base_dtype, why)
+        if base_dtype is not None:
+            self.precision = precision_of(base_dtype, why)
+        else:
+            self.precision = device_precision(self.device, width, training)
+            if shape is not None and not training and self.device.type == "cpu":
+                self.precision = generation_precision(self.precision, shape)
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
 

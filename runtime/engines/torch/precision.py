@@ -15,6 +15,9 @@ the frozen base (and so the activations) takes the device's dtype:
   against 85 tokens/s), so there a tune keeps float32 while generation, which reads every
   weight once a step and gains from half the bytes, still takes bfloat16 (SmolLM2-135M, 32
   rows: 94-101 against 75 tokens/s);
+- for generation (run, eval, distill) on such a CPU, a model at least BF16_MIN_WIDTH wide takes
+  whichever dtype its own decode step measures faster there (runtime/engines/torch/decode_dtype.py):
+  on a 2-core AMD EPYC with AVX512-BF16, SmolLM2-135M generated 1.2-1.45x faster in float32;
 - other CPUs, and narrower models: float32 (bfloat16 there is emulated, or does not pay);
 - CUDA with native bfloat16 (compute capability 8.0 and up: A100, L4, H100, ...): bfloat16,
   which has float32's range, so gradients need no scaling;
@@ -124,7 +127,8 @@ def precision_of(dtype: torch.dtype, why: str | None = None) -> Precision:
 
 def device_precision(device: torch.device, width: int | None = None, training: bool = False) -> Precision:
     """`width`: the model's hidden size (a CPU's choice depends on it); `training`: for a tune
-    (a CPU without AMX measures its bfloat16 first)."""
+    (a CPU without AMX measures its bfloat16 first). A row job's generation may then measure
+    its own decode step (runtime/engines/torch/decode_dtype.generation_precision)."""
     if device.type != "cuda":
         native = cpu_bf16_native()
         measure = training and native == "AVX512-BF16" and width is not None and width >= BF16_MIN_WIDTH

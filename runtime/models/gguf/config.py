@@ -77,6 +77,17 @@ def model_config(gf) -> dict:
     return config
 
 
+def key_names(gf) -> dict:
+    """config field -> the GGUF key it came from, for messages about the file's own keys."""
+    arch = gf.architecture
+    names = {target: f"{arch}.{key}" for key, target in {**_COMMON, **_EXTRA.get(arch, {})}.items()}
+    names.update(bos_token_id="tokenizer.ggml.bos_token_id", eos_token_id="tokenizer.ggml.eos_token_id",
+                 pad_token_id="tokenizer.ggml.padding_token_id")
+    if f"{arch}.vocab_size" not in gf.metadata:
+        names["vocab_size"] = "tokenizer.ggml.tokens"
+    return names
+
+
 def _phi3(gf, config: dict) -> None:
     """Phi-3's rotary dimensions (Phi-4-mini rotates 3/4 of each head) and LongRoPE (Phi-3.5,
     Phi-4-mini), whose factors llama.cpp stores as two tensors."""

@@ -24,6 +24,7 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_NESTING = 8  # arrays of arrays: llama.cpp's files use none; a deeper one is a file built to recurse
 
 # Metadata value types: struct format of the scalars; 8 is a string, 9 an array.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -116,7 +117,7 @@ class _Cursor:
         except UnicodeDecodeError:
             raise GGUFError(self.path, f"{what} is not UTF-8")
 
-    def value(self, kind: int, what: str):
+    def value(self, kind: int, what: str, depth: int = 0):
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind], what)
         if kind == STRING:
@@ -132,8 +133,10 @@ class _Cursor:
                 self.need(count * 8, f"{what} ({count} strings)")  # each string has at least its 8-byte length
                 return [self.string(what) for _ in range(count)]
             if item == ARRAY:
+                if depth + 1 >= MAX_NESTING:
+                    raise GGUFError(self.path, f"{what} nests arrays more than {MAX_NESTING} deep")
                 self.need(count * 12, f"{what} ({count} arrays)")
-                return [self.value(ARRAY, what) for _ in range(count)]
+                return [self.value(ARRAY, what, depth + 1) for _ in range(count)]
             raise GGUFError(self.path, f"{what} is an array of unknown type {item}")
         raise GGUFError(self.path, f"{what} has unknown value type {kind}")
 

@@ -56,6 +56,25 @@ def _need(gf, key: str):
     return gf.metadata[key]
 
 
+def _check_lengths(gf, tokens: list, types: list) -> None:
+    """The token list against what names its entries: one type (and one score) per token, and a
+    token for every row of the embedding and every special id."""
+    md = gf.metadata
+    for key, values in (("tokenizer.ggml.token_type", types), ("tokenizer.ggml.scores", md.get("tokenizer.ggml.scores"))):
+        if values and len(values) != len(tokens):
+            raise SpillpackError(f"{gf.path}: {key} has {len(values)} entries for {len(tokens)} tokens",
+                                 f"re-download {gf.path.name} (gguf-dump lists its keys)")
+    embed = gf.tensors.get("token_embd.weight")
+    if embed is not None and len(embed.dims) == 2 and len(tokens) < embed.dims[1]:
+        raise SpillpackError(f"{gf.path}: tokenizer.ggml.tokens lists {len(tokens)} tokens but the embedding has {embed.dims[1]} rows",
+                             f"re-download {gf.path.name} (gguf-dump lists its keys)")
+    for key in _SPECIAL_IDS.values():
+        i = md.get(f"tokenizer.ggml.{key}")
+        if i is not None and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(tokens)):
+            raise SpillpackError(f"{gf.path}: tokenizer.ggml.{key} is {i!r}, not the id of one of its {len(tokens)} tokens",
+                                 f"re-download {gf.path.name} (gguf-dump lists its keys)")
+
+
 def _merges(gf, tokens: list[str], vocab: dict[str, int]) -> list[list[str]]:
     md = gf.metadata
     if "tokenizer.ggml.merges" in md:
@@ -95,6 +114,7 @@ def tokenizer_json(gf) -> tuple[dict, dict]:
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise SpillpackError(f"{gf.path}: tokenizer.ggml.tokens is not a list of strings", f"re-download {gf.path.name}")
     types = md.get("tokenizer.ggml.token_type") or []
+    _check_lengths(gf, tokens, types)
     config = {"add_bos_token": bool(md.get("tokenizer.ggml.add_bos_token", model == "llama")),
               "add_eos_token": bool(md.get("tokenizer.ggml.add_eos_token", False))}
     for name, key in _SPECIAL_IDS.items():

@@ -30,23 +30,26 @@ def model_file(arch):
     return importlib.import_module(f"{__name__}.{arch.module}")
 
 
-def load_weights(files, dtype, device, quantized: bool = False) -> dict:
-    """Tensor by tensor: each is converted (and moved) before the next is read, so the host
-    never holds the file's copy beside the converted one. With `quantized`, a GGUF's quantized
-    weights (runtime.models.gguf.tensors.QuantTensor) stay in their blocks, as torch tensors
-    (quant_linear.blocks_of), each made before the next is read."""
-    weights = {}
-    for name, kind, array in read_tensors(files, quantized):
+def converted_tensors(files, dtype, device, rows=None, quantized: bool = False):
+    """(name, tensor) in `dtype` on `device`, one at a time (read_tensors' `rows`: part of each).
+    With `quantized`, a GGUF's quantized weights (runtime.models.gguf.tensors.QuantTensor) stay in
+    their blocks, as torch tensors (quant_linear.blocks_of), each made before the next is read."""
+    for name, kind, array in read_tensors(files, rows, quantized):
         if not isinstance(array, np.ndarray):  # a QuantTensor
             from runtime.engines.torch.models.quant_linear import blocks_of
 
-            weights[name] = blocks_of(array)
+            yield name, blocks_of(array)
             continue
         t = torch.from_numpy(array)
         if kind == "BF16":
             t = t.view(torch.bfloat16)
-        weights[name] = t.to(device=device, dtype=dtype)
-    return weights
+        yield name, t.to(device=device, dtype=dtype)
+
+
+def load_weights(files, dtype, device, quantized: bool = False) -> dict:
+    """Tensor by tensor: each is converted (and moved) before the next is read, so the host
+    never holds the file's copy beside the converted one."""
+    return dict(converted_tensors(files, dtype, device, quantized=quantized))
 
 
 def load_checkpoint(model_dir: "ModelDir", dtype=torch.float32, device="cpu") -> dict:

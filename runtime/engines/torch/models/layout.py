@@ -106,6 +106,9 @@ def cpu_training_layout(model: nn.Module) -> None:
 # no dense weights' addresses to compare at each call.
 LAID_OUT = "laid out"
 BLAS = "blas"  # joined_kernel's value: the joined weight handed to gemm as its (in, out) numpy view
+# joined_kernel's value where the weights must stay apart: FSDP gathers each into its own tensor
+# for every call (runtime/engines/torch/shard.py), so a joined copy would be a second, stale one.
+SEPARATE = "separate"
 
 
 def _free_dense(m: nn.Linear) -> None:
@@ -161,6 +164,8 @@ def _joined(module: nn.Module, bases: list):
     """(weight, bias, sizes) joining `bases`, made on first use and again whenever a weight has
     moved (model.to(), a reload); None where a weight is being trained, whose gradient must
     reach its own parameter (the engine's base is frozen: this is for other callers)."""
+    if module.__dict__.get("joined_kernel") == SEPARATE:
+        return None
     cached = module.__dict__.get("joined_linears")
     if cached is not None and cached[0] is LAID_OUT:
         return cached[1]

@@ -170,6 +170,9 @@ class LlamaModel(nn.Module):
     # LoRA dropout's masks are a function of the tokens (runtime.models.dropout), not of a
     # generator's state, so losses and gradients are unchanged.
     grad_checkpoint = False
+    # Each layer through nn.Module's call, hooks and all, where FSDP has sharded the layers
+    # (runtime/engines/torch/shard.py): its hooks gather a layer's weights around the call.
+    call_layers = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -231,7 +234,7 @@ class LlamaModel(nn.Module):
             if self.grad_checkpoint and cache is None and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, masks[layer.self_attn.window], use_reentrant=False)
             else:
-                x = layer.forward(x, cos, sin, masks[layer.self_attn.window], cache, i, slots, span)
+                x = (layer if self.call_layers else layer.forward)(x, cos, sin, masks[layer.self_attn.window], cache, i, slots, span)
         if cache is not None:
             cache.lengths += T
         return self.norm(x)
