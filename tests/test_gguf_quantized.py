@@ -132,13 +132,29 @@ def test_run_answers_are_the_dense_runs_and_the_plan_names_what_stays_quantized(
     answers of the same file dequantized at load (SPILLPACK_QUANT_GEMM=dense)."""
     path, _ = small("llama")
     rows = rows_file(tmp_path / "rows.jsonl", PROMPTS, 12)
-    quant, start = answers(path, rows, tmp_path, "quant")
+    quant, start = answers(path, rows, tmp_path, "quant", {"SPILLPACK_QUANT_GEMM": "quantized"})
     dense, dense_start = answers(path, rows, tmp_path, "dense", {"SPILLPACK_QUANT_GEMM": "dense"})
-    assert quant == dense and any(quant)
+    auto, auto_start = answers(path, rows, tmp_path, "auto")  # a small file: its dense copy fits, so dense
+    assert quant == dense == auto and any(quant)
     plan, dense_plan = start["memory_plan"], dense_start["memory_plan"]
-    assert plan["quantized"] == {"Q8_0": 8, "Q4_0": 8}  # 2 layers of 7, the embedding and the head and dense_plan["quantized"] == {}
+    assert plan["quantized"] == {"Q8_0": 8, "Q4_0": 8}  # 2 layers of 7, the embedding and the head
+    assert dense_plan["quantized"] == {} and auto_start["memory_plan"]["quantized"] == {}
     assert plan["weights_gb"] < 0.5 * dense_plan["weights_gb"]
     assert "kept quantized" in start["message"]
+    assert start["weights_why"] == "kept quantized (SPILLPACK_QUANT_GEMM=quantized)"
+    assert auto_start["weights_why"].startswith("dequantized at load, where it runs faster"), auto_start
+
+
+def test_a_file_whose_dense_copy_would_not_fit_half_the_memory_stays_quantized(monkeypatch):
+    from runtime.engines.torch.models.quant_linear import keeps_quantized
+
+    monkeypatch.delenv("SPILLPACK_QUANT_GEMM", raising=False)
+    kept, why = keeps_quantized(6 * 2**30, 10 * 2**30)
+    assert kept and "dequantized it would take 6.00 GB, more than half the 10.0 GB" in why
+    kept, why = keeps_quantized(4 * 2**30, 10 * 2**30)
+    assert not kept and why.startswith("dequantized at load")
+    monkeypatch.setenv("SPILLPACK_QUANT_GEMM", "dense")
+    assert keeps_quantized(60 * 2**30, 10 * 2**30)[0] is False
 
 
 @pytest.mark.slow
@@ -146,7 +162,7 @@ def test_smollm2_run_answers_are_the_dense_runs(smollm2, tmp_path, home):
     """SmolLM2's Q4_1 GGUF through the CLI, float32, greedy: kept quantized, the dense run's answers."""
     path, _ = smollm2
     rows = rows_file(tmp_path / "rows.jsonl", PROMPTS, 24)
-    quant, start = answers(path, rows, tmp_path, "quant")
+    quant, start = answers(path, rows, tmp_path, "quant", {"SPILLPACK_QUANT_GEMM": "quantized"})
     dense, _ = answers(path, rows, tmp_path, "dense", {"SPILLPACK_QUANT_GEMM": "dense"})
     assert quant == dense
     assert "Paris" in quant[0]

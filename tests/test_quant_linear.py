@@ -137,7 +137,7 @@ def test_the_kernel_choice_is_measured_once_and_can_be_forced(home, monkeypatch)
     assert ql.choose_kernel("Q4_1", 32, 64, torch.bfloat16) == "scratch"
     assert ql.describe(torch.bfloat16) == "scratch (SPILLPACK_QUANT_GEMM)"
     monkeypatch.setenv("SPILLPACK_QUANT_GEMM", "fast")
-    with pytest.raises(Exception, match="SPILLPACK_QUANT_GEMM='fast' is not int4pack or scratch or dense"):
+    with pytest.raises(Exception, match="SPILLPACK_QUANT_GEMM='fast' is not int4pack or scratch or dense or quantized"):
         ql.choose_kernel("Q4_1", 32, 64, torch.bfloat16)
 
 

@@ -152,10 +152,11 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     engine = (job.open_engine(dtype=o.get("dtype"), width=model_dir.config.get("hidden_size"), shape=model_dir.config)
               if generating else None)
     plan = plan_rows(job.engine_name, engine, model_dir, work.todo, o["batch"]) if generating else None
+    kept = getattr(engine, "quantized_why", lambda _: (False, None))(model_dir)[1] if generating else None
     events.emit("start", step=len(work.lines), job=o["name"], model=a[task.model_arg],
                 placement=f"{job.engine_name}: {job.engine_reason}", state=state.uri, estimated_seconds=est, total=total, **extra,
                 estimated_peak_gb=plan and round(plan.peak_gb, 3), memory_plan=plan and plan.to_dict(),
-                **start_fields(job.engine_name, cpus().count), **dtype_fields(engine),
+                **start_fields(job.engine_name, cpus().count), **dtype_fields(engine), **({"weights_why": kept} if kept else {}),
                 message=f"{task.command} {a[task.model_arg]} on {a[task.input_arg]}{label}: {len(work.todo)} of {total} rows to generate "
                         f"({len(work.lines)} done or failed, up to {gen_tokens} new tokens) in batches of {o['batch']} "
                         f"on {job.engine_name}{'; ' + plan.describe() if plan else ''}; state at {state.uri}")

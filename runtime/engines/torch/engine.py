@@ -329,6 +329,7 @@ class TorchEngine:
                 self.precision = generation_precision(self.precision, shape)
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
+        self._quantized: dict[str, tuple[bool, str | None]] = {}  # model path -> (kept quantized, why)
 
     def fit_threads(self) -> None:
         if self.device.type == "cpu":
@@ -343,14 +344,26 @@ class TorchEngine:
 
     def keeps_quantized(self, model_dir) -> bool:
         """Whether load_model keeps this model's weights quantized: a GGUF with quantized weights, on
-        a CPU, unless SPILLPACK_QUANT_GEMM=dense (quant_linear.py). The memory plan counts them so."""
+        a CPU, where its dense copy would not fit half the memory the job may use, or as
+        SPILLPACK_QUANT_GEMM says (quant_linear.keeps_quantized). Decided once per model, so the
+        memory plan and the load agree; the plan counts the weights as they will lie."""
+        return self.quantized_why(model_dir)[0]
+
+    def quantized_why(self, model_dir) -> tuple[bool, str | None]:
+        from runtime.engines.hardware import memory_for
         from runtime.engines.torch.models.quant_linear import keeps_quantized
         from runtime.models.gguf.model import find_gguf, quantized_types
+        from runtime.models.memory import base_params
 
-        if self.device.type != "cpu" or not keeps_quantized():
-            return False
-        path = find_gguf(model_dir.path)
-        return path is not None and bool(quantized_types(path))
+        key = str(model_dir.path)
+        if key not in self._quantized:
+            path = find_gguf(model_dir.path) if self.device.type == "cpu" else None
+            if path is None or not quantized_types(path):
+                self._quantized[key] = (False, None)
+            else:
+                dense = base_params(model_dir.config) * torch.empty((), dtype=self.base_dtype).element_size()
+                self._quantized[key] = keeps_quantized(dense, memory_for(self.name)[0] * 2**30)
+        return self._quantized[key]
 
     def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | None = None):
         # A float32 CPU base's GEMMs run faster on weights laid out for them (layout.cpu_inference_layout).
