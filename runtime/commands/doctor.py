@@ -39,11 +39,9 @@ def cpu_dtype_policy(measure_rates: bool) -> dict:
         from runtime.engines.torch.models.small_gemm import describe
 
         out["small_gemm"] = describe()
-        import torch
-
         from runtime.engines.torch.models.quant_linear import describe as quant_gemm
 
-        out["quant_gemm"] = quant_gemm(torch.bfloat16 if native else torch.float32)  # a quantized GGUF's kernels
+        out["quant_gemm"] = quant_gemm("bfloat16" if native else "float32")  # a quantized GGUF's kernels
     return out
 
 

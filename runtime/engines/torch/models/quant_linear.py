@@ -383,7 +383,8 @@ def choose_kernel(kind: str, rows: int, cols: int, dtype) -> str:
 
 
 def describe(dtype) -> str:
-    """doctor's line: the kernels quantized GGUF weights multiply on here, and why."""
+    """doctor's line: the kernels quantized GGUF weights multiply on here, and why (`dtype`: a torch dtype or its name)."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     forced = forced_kernel()
     if forced and forced != "quantized":
         return f"{forced} ({ENV})"
