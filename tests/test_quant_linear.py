@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_cli
+from runtime.engines.torch.models import quant_blocks as qb
 from runtime.engines.torch.models import quant_linear as ql
 from runtime.engines.torch.models.quant_layout import join
 from runtime.engines.torch.models.quant_linear import QuantEmbedding, QuantLinear
@@ -69,8 +70,8 @@ def test_a_weight_larger_than_the_scratch_is_multiplied_by_chunks_of_rows(kind, 
     qt = quantized(kind, rows=80)
     x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(2))
     whole = QuantLinear(qt, None, torch.float32, "scratch")(x)
-    monkeypatch.setattr(ql, "SCRATCH_BYTES", 16 * COLS * 4 + 4)  # 16 rows a chunk: 5 chunks
-    assert ql.chunk_rows(COLS, torch.float32) == 16
+    monkeypatch.setattr(qb, "SCRATCH_BYTES", 16 * COLS * 4 + 4)  # 16 rows a chunk: 5 chunks
+    assert qb.chunk_rows(COLS, torch.float32) == 16
     chunked = QuantLinear(qt, None, torch.float32, "scratch")(x)
     assert torch.equal(whole, chunked)
     assert close(chunked, reference(x, qt))

@@ -36,7 +36,7 @@ def converted_tensors(files, dtype, device, rows=None, quantized: bool = False):
     their blocks, as torch tensors (quant_linear.blocks_of), each made before the next is read."""
     for name, kind, array in read_tensors(files, rows, quantized):
         if not isinstance(array, np.ndarray):  # a QuantTensor
-            from runtime.engines.torch.models.quant_linear import blocks_of
+            from runtime.engines.torch.models.quant_blocks import blocks_of
 
             yield name, blocks_of(array)
             continue

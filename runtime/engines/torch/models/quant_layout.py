@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from runtime.engines.torch.models.layout import LAID_OUT
-from runtime.engines.torch.models.quant_linear import Blocks, HollowLinear, QuantEmbedding, QuantLinear, blocks_of, dequantized
+from runtime.engines.torch.models.quant_blocks import Blocks, blocks_of, dequantized
+from runtime.engines.torch.models.quant_linear import HollowLinear, QuantEmbedding, QuantLinear
 
 
 def quantized_modules(model: nn.Module, weights: dict, dtype) -> dict:

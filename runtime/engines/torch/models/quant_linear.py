@@ -30,195 +30,18 @@ lookups read, so the embedding is held once.
 from __future__ import annotations
 
 import functools
-import os
-import threading
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-GROUP = 32  # values a block of Q8_0, Q4_0 and Q4_1 (and the int4pack group size)
+from runtime.engines.torch.models.quant_blocks import (GROUP, INT4PACK_TYPES, blocks_of, dequantized, int4pack,
+                                                       random_tensor, scratch_product)
+
 KERNELS = ("int4pack", "scratch", "dense", "quantized")
-INT4PACK_TYPES = ("Q4_0", "Q4_1")
 INT4PACK_ROWS = 16  # the int4pack layout packs output rows 16 at a time: other row counts take the scratch
 DECODE_ROWS = 8  # the rows the kernels are measured at: a decode step's, which dominates a run
-SCRATCH_BYTES = 4 << 20  # a chunk of dequantized rows: large enough for MKL, small enough to stay in cache
 MEASURE_MAX_ROWS = 4096  # a larger weight is measured on this many of its rows (both kernels scale with rows)
 ENV = "SPILLPACK_QUANT_GEMM"
-
-
-# ---- blocks: a QuantTensor held as torch tensors, dequantized a range of rows at a time
-
-
-class Blocks:
-    """A quantized weight's blocks as torch tensors (its `fields`, each (rows, ...)), of `kind` and
-    (rows, cols) `shape`; `into` dequantizes a range of rows into a float32 buffer."""
-
-    fields: tuple[str, ...] = ()
-
-    def __init__(self, kind: str, shape: tuple[int, int], **tensors):
-        self.kind, self.shape = kind, tuple(shape)
-        for name in self.fields:
-            setattr(self, name, tensors.get(name))
-
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (getattr(self, f) for f in self.fields) if t is not None)
-
-    def rows(self, index) -> "Blocks":
-        """The blocks of some rows (an embedding's lookups)."""
-        picked = {f: getattr(self, f) for f in self.fields}
-        return type(self)(self.kind, (-1, self.shape[1]), **{f: None if t is None else t[index] for f, t in picked.items()})
-
-    @classmethod
-    def cat(cls, parts: list["Blocks"]) -> "Blocks":
-        """The rows of `parts` (one kind, one width) end to end."""
-        tensors = {f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts]) for f in cls.fields}
-        return cls(parts[0].kind, (sum(p.shape[0] for p in parts), parts[0].shape[1]), **tensors)
-
-    def values(self, out: torch.Tensor) -> torch.Tensor:
-        """`out` (rows, cols) viewed as into() writes it."""
-        return out.view(out.shape[0], -1, GROUP)
-
-
-class Q8Blocks(Blocks):
-    """Q8_0: per block of 32, an f16 scale d and 32 int8 values; w = d * q."""
-
-    fields = ("q", "d")  # (rows, blocks, 32) int8; (rows, blocks, 1) float32
-
-    @classmethod
-    def of(cls, qt) -> "Q8Blocks":
-        b = qt.raw.reshape(qt.shape[0], qt.shape[1] // GROUP, 34)
-        return cls(qt.kind, qt.shape, q=torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8)), d=_f16(b[..., :2]))
-
-    def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
-        """Rows lo..hi dequantized into `out` (hi - lo, blocks, 32), float32."""
-        torch.mul(self.q[lo:hi], self.d[lo:hi], out=out)
-
-
-class Q4Blocks(Blocks):
-    """Q4_0 (d, 16 bytes of nibbles: w = d * (q - 8)) and Q4_1 (d, m, nibbles: w = d * q + m); value
-    j < 16 of a block is the low nibble of byte j, value j + 16 its high nibble."""
-
-    fields = ("qs", "d", "m")  # (rows, blocks, 16) uint8; (rows, blocks, 1) float32 (m: Q4_1's only)
-
-    @classmethod
-    def of(cls, qt) -> "Q4Blocks":
-        with_min = qt.kind == "Q4_1"
-        size = 20 if with_min else 18
-        b = qt.raw.reshape(qt.shape[0], qt.shape[1] // GROUP, size)
-        return cls(qt.kind, qt.shape, qs=torch.from_numpy(np.ascontiguousarray(b[..., size - 16:])), d=_f16(b[..., 0:2]),
-                   m=_f16(b[..., 2:4]) if with_min else None)
-
-    def nibbles(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-        """(rows, blocks, 32) uint8: each block's 32 values, 0..15."""
-        qs = self.qs[lo:hi]
-        return torch.cat([qs & 15, qs >> 4], dim=-1)
-
-    def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
-        qs = self.qs[lo:hi]
-        nibble = _nibble_buffer(qs.shape)
-        torch.bitwise_and(qs, 15, out=nibble)
-        out[..., :16].copy_(nibble)
-        torch.bitwise_right_shift(qs, 4, out=nibble)
-        out[..., 16:].copy_(nibble)
-        if self.m is None:  # in gguf's order: (q - 8) first, then the scale
-            out.sub_(8).mul_(self.d[lo:hi])
-        else:
-            out.mul_(self.d[lo:hi]).add_(self.m[lo:hi])
-
-
-class RawBlocks(Blocks):
-    """A K-quant (Q4_K, Q5_K, Q6_K): its bytes as they lie in the file, dequantized by gguf's reference."""
-
-    fields = ("raw",)  # (rows, bytes a row) uint8
-
-    @classmethod
-    def of(cls, qt) -> "RawBlocks":
-        return cls(qt.kind, qt.shape, raw=torch.from_numpy(np.ascontiguousarray(qt.raw)))
-
-    def values(self, out: torch.Tensor) -> torch.Tensor:
-        return out
-
-    def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
-        import gguf
-
-        values = gguf.quants.dequantize(self.raw[lo:hi].numpy(), gguf.GGMLQuantizationType[self.kind])
-        out.copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(out.shape))
-
-
-def _f16(a: np.ndarray) -> torch.Tensor:
-    """A block field of 2 bytes, the float16 scale it is, as float32 (exactly): a float32 buffer
-    times float16 scales takes torch's mixed-dtype path, measured 200x slower than float32 times
-    float32 (2.4 million values: 32 ms against 0.14)."""
-    return torch.from_numpy(np.ascontiguousarray(a).view(np.float16).astype(np.float32))
-
-
-def blocks_of(qt) -> Blocks:
-    """A QuantTensor (runtime.models.gguf.tensors) as the torch blocks of its kind; its bytes can
-    then be dropped (the blocks are a copy in their own layout, of the same size)."""
-    if isinstance(qt, Blocks):
-        return qt
-    if qt.kind == "Q8_0":
-        return Q8Blocks.of(qt)
-    if qt.kind in INT4PACK_TYPES:
-        return Q4Blocks.of(qt)
-    return RawBlocks.of(qt)
-
-
-# ---- the scratch: one buffer per thread and dtype, reused by every layer's product
-
-_scratch = threading.local()
-
-
-def _buffer(name: str, numel: int, dtype) -> torch.Tensor:
-    bufs = _scratch.__dict__.setdefault(name, {})
-    buf = bufs.get(dtype)
-    if buf is None or buf.numel() < numel:
-        with torch.inference_mode(False):  # a normal tensor, written in place inside inference mode and out
-            buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
-    return buf[:numel]
-
-
-def _nibble_buffer(shape) -> torch.Tensor:
-    return _buffer("nibbles", int(np.prod(shape)), torch.uint8).view(shape)
-
-
-def chunk_rows(cols: int, dtype) -> int:
-    return max(1, SCRATCH_BYTES // (cols * dtype.itemsize))
-
-
-def dequantized(blocks, lo: int, hi: int, cols: int, dtype) -> torch.Tensor:
-    """Rows lo..hi of the weight as a (hi - lo, cols) tensor of the scratch (valid until its next
-    use). A 16-bit dtype's values are dequantized in float32 and rounded once, as the dense load
-    rounds them: the product is then the dense model's, bit for bit."""
-    n = (hi - lo) * cols
-    out = _buffer("weights", n, torch.float32)
-    blocks.into(blocks.values(out.view(hi - lo, cols)), lo, hi)
-    if dtype != torch.float32:
-        out = _buffer("rounded", n, dtype).copy_(out)
-    return out.view(hi - lo, cols)
-
-
-def scratch_product(x: torch.Tensor, blocks, rows: int, cols: int) -> torch.Tensor:
-    """x (M, cols) @ W^T for W (rows, cols) in `blocks`, dequantized a chunk of rows at a time."""
-    step = chunk_rows(cols, x.dtype)
-    if rows <= step:
-        return F.linear(x, dequantized(blocks, 0, rows, cols, x.dtype))
-    out = torch.empty(x.shape[0], rows, dtype=x.dtype)
-    for lo in range(0, rows, step):
-        hi = min(rows, lo + step)
-        out[:, lo:hi] = F.linear(x, dequantized(blocks, lo, hi, cols, x.dtype))
-    return out
-
-
-def int4pack(blocks: Q4Blocks, rows: int, cols: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed weight, scales and zeros (blocks, rows, 2)) for _weight_int4pack_mm_for_cpu."""
-    q = blocks.nibbles().reshape(rows, cols).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    d = blocks.d.float()[..., 0]  # (rows, blocks)
-    zero = torch.zeros_like(d) if blocks.m is None else blocks.m.float()[..., 0] + 8 * d
-    return packed, torch.stack([d, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
 
 
 # ---- the modules
@@ -333,19 +156,6 @@ def int4pack_available() -> bool:
         return True
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
-
-
-def random_tensor(kind: str, rows: int, cols: int, seed: int = 0):
-    """A QuantTensor of random blocks with small positive scales (what the measurement multiplies)."""
-    from runtime.models.gguf.tensors import QuantTensor
-
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-    raw = np.random.default_rng(seed).integers(0, 256, size=(rows, cols // GROUP, size), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-    raw[..., 0:2] = scale
-    if kind == "Q4_1":
-        raw[..., 2:4] = scale
-    return QuantTensor(kind, (rows, cols), raw.reshape(rows, -1))
 
 
 def measure(kind: str, rows: int, cols: int, dtype) -> dict:
