@@ -137,11 +137,11 @@ def test_run_answers_are_the_dense_runs_and_the_plan_names_what_stays_quantized(
     auto, auto_start = answers(path, rows, tmp_path, "auto")  # a small file: its dense copy fits, so dense
     assert quant == dense == auto and any(quant)
     plan, dense_plan = start["memory_plan"], dense_start["memory_plan"]
-    assert plan["quantized"] == {"Q8_0": 8, "Q4_0": 8}  # 2 layers of 7, the embedding and the head
+    assert plan["quantized"] == {"Q8_0": 8, "Q4_0": 7}  # 2 layers of 7 and the embedding; the head dequantized
     assert dense_plan["quantized"] == {} and auto_start["memory_plan"]["quantized"] == {}
     assert plan["weights_gb"] < 0.5 * dense_plan["weights_gb"]
     assert "kept quantized" in start["message"]
-    assert start["weights_why"] == "kept quantized (SPILLPACK_QUANT_GEMM=quantized)"
+    assert start["weights_why"].startswith("kept quantized (SPILLPACK_QUANT_GEMM=quantized); the head dequantized"), start
     assert auto_start["weights_why"].startswith("dequantized at load, where it runs faster"), auto_start
 
 
@@ -153,8 +153,34 @@ def test_a_file_whose_dense_copy_would_not_fit_half_the_memory_stays_quantized(m
     assert kept and "dequantized it would take 6.00 GB, more than half the 10.0 GB" in why
     kept, why = keeps_quantized(4 * 2**30, 10 * 2**30)
     assert not kept and why.startswith("dequantized at load")
+    kept, why = keeps_quantized(4 * 2**30, 10 * 2**30, "Q4_1 on int4pack in bfloat16")  # as fast as dense: kept
+    assert kept and why.startswith("kept quantized: its layers multiply on Q4_1 on int4pack"), why
     monkeypatch.setenv("SPILLPACK_QUANT_GEMM", "dense")
     assert keeps_quantized(60 * 2**30, 10 * 2**30)[0] is False
+
+
+def test_the_head_is_dequantized_where_the_weights_still_fit_half_the_memory():
+    from runtime.engines.torch.models.quant_linear import dense_head
+
+    assert dense_head(2 * 2**30, 10 * 2**30)[0] is True
+    held, why = dense_head(6 * 2**30, 10 * 2**30)
+    assert held is False and "more than half the 10.0 GB" in why
+
+
+def test_a_dense_head_is_the_dense_loads_head_and_the_layers_stay_quantized(small):
+    """quantized_modules(dense_head=True): the head's weight is an ordinary dense tensor equal to the
+    dense load's, bit for bit; every layer stays in its blocks; logits as the dense load's."""
+    from runtime.engines.torch.models.quant_layout import kernels
+
+    path, md = small("llama")
+    quant = load_model(md, torch.float32, quantized=True, dense_head=True)
+    dense = load_model(md, torch.float32)
+    assert torch.equal(quant.lm_head.weight, dense.lm_head.weight)
+    assert not isinstance(quant.model.embed_tokens, torch.nn.Embedding)  # the embedding (not the head) in its blocks
+    assert sum(kernels(quant).values()) == 15
+    ids = torch.tensor([[5, 17, 3, 99, 42, 7, 1, 250]])
+    with torch.no_grad():
+        assert float((quant(ids) - dense(ids)).abs().max()) <= 1e-4
 
 
 @pytest.mark.slow
@@ -166,4 +192,17 @@ def test_smollm2_run_answers_are_the_dense_runs(smollm2, tmp_path, home):
     dense, _ = answers(path, rows, tmp_path, "dense", {"SPILLPACK_QUANT_GEMM": "dense"})
     assert quant == dense
     assert "Paris" in quant[0]
-    assert start["memory_plan"]["quantized"] == {"Q4_1": 210, "Q8_0": 1}
+    assert start["memory_plan"]["quantized"] == {"Q4_1": 210}  # the Q8_0 tied embedding dequantized: it is the head
+
+
+def test_only_layers_on_int4pack_in_bfloat16_count_as_fast(home, monkeypatch):
+    """fast_kernel: a file kept quantized by default (not for memory) only where every layer type is
+    Q4_0/Q4_1, the dtype bfloat16, and int4pack the kernel measured faster here for the model's shape."""
+    from runtime.engines.torch.models.quant_linear import choose_kernel, fast_kernel
+
+    monkeypatch.delenv("SPILLPACK_QUANT_GEMM", raising=False)
+    on_int4 = choose_kernel("Q4_1", 1536, 576, torch.bfloat16) == "int4pack"
+    assert (fast_kernel({"Q4_1": 210}, 1536, 576, torch.bfloat16) is not None) == on_int4
+    assert fast_kernel({"Q4_1": 210, "Q8_0": 1}, 1536, 576, torch.bfloat16) is None  # a layer on the scratch
+    assert fast_kernel({"Q4_1": 210}, 1536, 576, torch.float32) is None
+    assert fast_kernel({}, 1536, 576, torch.bfloat16) is None

@@ -111,6 +111,8 @@ def plan_rows(engine_name: str, engine, model_dir, todo, batch: int) -> Generati
     if getattr(engine, "keeps_quantized", lambda _: False)(model_dir):  # a GGUF's quantized weights stay in their blocks
         from runtime.models.gguf.model import quantized_types, resident_bytes
 
-        weights_bytes, quantized = resident_bytes(model_dir.path, dtype_bytes(engine)), quantized_types(model_dir.path)
+        head = engine.dense_head(model_dir)
+        weights_bytes = resident_bytes(model_dir.path, dtype_bytes(engine), head)
+        quantized = quantized_types(model_dir.path, head)
     return generation_plan(model_dir.config, dtype_bytes(engine), slots, max_len, longest, runtime_gb, params,
                            weights_bytes, quantized)

@@ -350,26 +350,39 @@ class TorchEngine:
         return self.quantized_why(model_dir)[0]
 
     def quantized_why(self, model_dir) -> tuple[bool, str | None]:
+        return self._quantized_load(model_dir)[:2]
+
+    def dense_head(self, model_dir) -> bool:
+        """Whether a quantized load dequantizes the head's weight (quant_linear.dense_head)."""
+        return self._quantized_load(model_dir)[2]
+
+    def _quantized_load(self, model_dir) -> tuple[bool, str | None, bool]:
         from runtime.engines.hardware import memory_for
-        from runtime.engines.torch.models.quant_linear import keeps_quantized
-        from runtime.models.gguf.model import find_gguf, quantized_types
+        from runtime.engines.torch.models.quant_linear import dense_head, fast_kernel, keeps_quantized
+        from runtime.models.gguf.model import find_gguf, quantized_types, resident_bytes
         from runtime.models.memory import base_params
 
         key = str(model_dir.path)
         if key not in self._quantized:
             path = find_gguf(model_dir.path) if self.device.type == "cpu" else None
             if path is None or not quantized_types(path):
-                self._quantized[key] = (False, None)
+                self._quantized[key] = (False, None, False)
             else:
-                dense = base_params(model_dir.config) * torch.empty((), dtype=self.base_dtype).element_size()
-                self._quantized[key] = keeps_quantized(dense, memory_for(self.name)[0] * 2**30)
+                size = torch.empty((), dtype=self.base_dtype).element_size()
+                memory = memory_for(self.name)[0] * 2**30
+                head, head_why = dense_head(resident_bytes(path, size, dense_head=True), memory)
+                c = model_dir.config
+                fast = fast_kernel(quantized_types(path, head), c.get("intermediate_size") or c.get("moe_intermediate_size")
+                                   or c["hidden_size"], c["hidden_size"], self.base_dtype)
+                keeps, why = keeps_quantized(base_params(c) * size, memory, fast)
+                self._quantized[key] = (keeps, f"{why}; {head_why}" if keeps else why, keeps and head)
         return self._quantized[key]
 
     def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | None = None):
         # A float32 CPU base's GEMMs run faster on weights laid out for them (layout.cpu_inference_layout).
         cpu_inference = self.device.type == "cpu" and self.base_dtype == torch.float32
         model = load_model(model_dir, dtype=self.base_dtype, device=self.device, cpu_inference=cpu_inference,
-                           quantized=self.keeps_quantized(model_dir))
+                           quantized=self.keeps_quantized(model_dir), dense_head=self.dense_head(model_dir))
         if adapter is not None:
             tensors, spec = adapter
             apply_lora(model, tensors, spec, self.device)

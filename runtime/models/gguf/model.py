@@ -82,18 +82,19 @@ def read_tensors(path, quantized: bool = False):
     _config.cache_clear()
 
 
-def quantized_types(path) -> dict[str, int]:
+def quantized_types(path, dense_head: bool = False) -> dict[str, int]:
     """Quantized type -> count of the 2-D weights that a quantized load keeps in their blocks."""
     from runtime.models.gguf.tensors import resident_bytes
 
-    return resident_bytes(open_gguf(path), 4)[1]
+    return resident_bytes(open_gguf(path), 4, dense_head)[1]
 
 
-def resident_bytes(path, float_bytes: int) -> int:
-    """The weights' bytes in memory under a quantized load (the rest dense at `float_bytes`)."""
+def resident_bytes(path, float_bytes: int, dense_head: bool = False) -> int:
+    """The weights' bytes in memory under a quantized load (the rest, and the head with
+    `dense_head`, dense at `float_bytes`)."""
     from runtime.models.gguf.tensors import resident_bytes as count
 
-    return count(open_gguf(path), float_bytes)[0]
+    return count(open_gguf(path), float_bytes, dense_head)[0]
 
 
 def tensor_shapes(path) -> dict[str, tuple]:

@@ -154,15 +154,22 @@ def model_tensors(gf, config: dict, quantized: bool = False):
         yield name, (QuantTensor(kind, tuple(info.shape), np.ascontiguousarray(w)) if blocks else w)
 
 
-def resident_bytes(gf, float_bytes: int) -> tuple[int, dict[str, int]]:
-    """What the weights hold in memory when the QUANTIZED 2-D ones stay in their blocks and the
-    rest is dense at `float_bytes` a value: (bytes, quantized type -> tensor count)."""
+def head_name(gf) -> str:
+    """The file's tensor the logits multiply by: its own head, else the embedding it is tied to."""
+    return "output.weight" if "output.weight" in gf.tensors else "token_embd.weight"
+
+
+def resident_bytes(gf, float_bytes: int, dense_head: bool = False) -> tuple[int, dict[str, int]]:
+    """What the weights hold in memory when the QUANTIZED 2-D ones stay in their blocks (but the
+    head, with `dense_head`) and the rest is dense at `float_bytes` a value: (bytes, quantized
+    type -> tensor count)."""
     total, kinds = 0, {}
+    head = head_name(gf) if dense_head else None
     for info in gf.tensors.values():
         if info.name in IGNORED:
             continue
         kind = type_name(info.ggml_type)
-        if kind in QUANTIZED and len(info.shape) in (2, 3):
+        if kind in QUANTIZED and len(info.shape) in (2, 3) and info.name != head:
             total += info.nbytes
             kinds[kind] = kinds.get(kind, 0) + 1
         else:

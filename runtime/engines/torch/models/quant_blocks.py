@@ -172,6 +172,17 @@ def dequantized(blocks, lo: int, hi: int, cols: int, dtype) -> torch.Tensor:
     return out.view(hi - lo, cols)
 
 
+def dense_copy(blocks, rows: int, cols: int, dtype) -> torch.Tensor:
+    """The whole weight as a dense (rows, cols) tensor of `dtype`, filled a chunk of rows at a time
+    through the scratch (never a float32 copy of the whole): the values a dense load gives."""
+    out = torch.empty(rows, cols, dtype=dtype)
+    step = chunk_rows(cols, torch.float32)
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        out[lo:hi] = dequantized(blocks, lo, hi, cols, dtype)
+    return out
+
+
 def scratch_product(x: torch.Tensor, blocks, rows: int, cols: int) -> torch.Tensor:
     """x (M, cols) @ W^T for W (rows, cols) in `blocks`, dequantized a chunk of rows at a time."""
     step = chunk_rows(cols, x.dtype)

@@ -21,10 +21,13 @@ small_gemm's choice is (runtime.engines.hardware.cached_measurement); `SPILLPACK
 = int4pack | scratch | dense | quantized chooses instead (dense: the whole model dequantized at
 load; quantized: kept in blocks, each shape on its measured kernel).
 
-Unset, a file stays in its blocks only where its dense copy would take over half the job's memory:
-dense runs faster (SmolLM2 Q4_1, bfloat16, 32 rows, 2 threads: 249-252 against 134-143 tokens/s,
-at 609 against 480 MiB peak), so the blocks are for the model that would not fit otherwise. A tied embedding's head multiplies on the scratch kernel over the same blocks its
-lookups read, so the embedding is held once.
+Unset, a file stays in its blocks where its layers multiply on int4pack in bfloat16 (fast_kernel:
+about as fast as the dense copy), or where its dense copy would take over half the job's memory;
+else it is dequantized at load, which runs faster on the scratch's types (float32 SmolLM2 Q4_1, 32
+rows, one thread: 18.3 against 11.7 CPU seconds). The head's weight (its own, or the embedding it is
+tied to) is dequantized where the weights still fit half the job's memory (dense_head): the logits'
+product runs over the whole vocabulary at every step; else a tied head multiplies on the scratch
+over the same blocks the embedding's lookups read, so the embedding is held once.
 """
 
 from __future__ import annotations
@@ -134,16 +137,42 @@ def forced_kernel() -> str | None:
     return forced(ENV, KERNELS)
 
 
-def keeps_quantized(dense_bytes: int, memory_bytes: float) -> tuple[bool, str]:
+def keeps_quantized(dense_bytes: int, memory_bytes: float, fast: str | None = None) -> tuple[bool, str]:
     """Whether a quantized GGUF whose dense copy takes `dense_bytes` is loaded in its blocks, for a
-    job that may use `memory_bytes`, and why (the module's doc)."""
+    job that may use `memory_bytes`, and why (the module's doc). `fast`: the kernel every layer
+    multiplies on where that kernel runs about as fast as the dense copy (fast_kernel), else None."""
     if (forced := forced_kernel()) is not None:
         return forced != "dense", f"{'dequantized at load' if forced == 'dense' else 'kept quantized'} ({ENV}={forced})"
+    if fast is not None:
+        return True, f"kept quantized: its layers multiply on {fast}, about as fast as a dense copy ({ENV}=dense dequantizes it)"
     if dense_bytes > memory_bytes / 2:
         return True, (f"kept quantized: dequantized it would take {dense_bytes / 2**30:.2f} GB, more than half the "
                       f"{memory_bytes / 2**30:.1f} GB this job may use")
     return False, (f"dequantized at load, where it runs faster: {dense_bytes / 2**30:.2f} GB, within half the "
                    f"{memory_bytes / 2**30:.1f} GB this job may use ({ENV}=quantized keeps it quantized)")
+
+
+def fast_kernel(kinds, rows: int, cols: int, dtype) -> str | None:
+    """"<types> on int4pack" where every quantized layer (`kinds`, the head aside) is Q4_0/Q4_1 and
+    the int4pack kernel is the one measured faster here for a (rows, cols) layer of the model: in
+    bfloat16 a decode step then runs about as fast as on the dense copy (SmolLM2 Q4_1, 32 rows,
+    one thread: 12.6-13.7 against 11.3-12.9 CPU seconds; 128 rows 1.2x), in under half its memory.
+    Else None: the scratch's dequantization costs each product more (float32: 1.6x)."""
+    kinds = sorted(kinds)
+    if not kinds or not set(kinds) <= set(INT4PACK_TYPES) or dtype != torch.bfloat16:
+        return None
+    if any(choose_kernel(kind, rows, cols, dtype) != "int4pack" for kind in kinds):
+        return None
+    return f"{'/'.join(kinds)} on int4pack in bfloat16"
+
+
+def dense_head(resident_bytes: int, memory_bytes: float) -> tuple[bool, str]:
+    """Whether a quantized load holds the head's weight dense (quant_layout.quantized_modules), given
+    the weights' `resident_bytes` so, and why: where they still fit half the job's memory."""
+    if resident_bytes <= memory_bytes / 2:
+        return True, f"the head dequantized, as it multiplies every row of the vocabulary at every step ({resident_bytes / 2**30:.2f} GB in all)"
+    return False, (f"the head kept quantized too: with it dequantized the weights would take {resident_bytes / 2**30:.2f} GB, "
+                   f"more than half the {memory_bytes / 2**30:.1f} GB this job may use")
 
 
 @functools.cache
