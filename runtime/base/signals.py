@@ -178,6 +178,12 @@ class Preemption:
         """A job is opening its state: from here a stop is answered between quanta, with a commit."""
         self.starting = False
 
+    def stand_down(self) -> None:
+        """The stop has been taken (Abandon caught, the exit being told): no later alarm (an
+        import's recheck, a step's deadline) may raise Abandon again while the preemption is told."""
+        self.starting = self._in_step = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
     @contextmanager
     def abandonable(self):
         """Marks a step that may be thrown away (forward/backward, one generation step)."""
