@@ -103,7 +103,7 @@ def identity(adapters: list[Adapter]) -> dict:
 def route(rows: list, adapters: list[Adapter], base: str, base_names: set[str], every_model: bool) -> list:
     """Each row's adapter (`adapter`: an index into the named adapters, or BASE) and the model it
     is answered as (`served`). `every_model` (eval): every row once for the base and once per
-    named adapter, as `custom_id@model` rows. Returns the rows to run."""
+    named adapter, as `custom_id@NAME` rows (`custom_id@base` for the base). Returns the rows to run."""
     named = [a.name for a in adapters if a.name is not None]
     if not named:
         asked = sorted({r.model for r in rows if r.model is not None and r.model not in base_names})
@@ -116,8 +116,9 @@ def route(rows: list, adapters: list[Adapter], base: str, base_names: set[str], 
     if every_model:
         out = []
         for r in rows:
-            for index, name in [(BASE, base), *enumerate(named)]:
-                out.append(replace(r, index=len(out), custom_id=f"{r.custom_id}@{name}", adapter=index, served=name))
+            for index, name in [(BASE, "base"), *enumerate(named)]:
+                out.append(replace(r, index=len(out), custom_id=f"{r.custom_id}@{name}", adapter=index,
+                                   served=base if index == BASE else name))
         return out
     for r in rows:
         if r.model is None or r.model in base_names:
