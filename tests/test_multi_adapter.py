@@ -256,3 +256,16 @@ def test_an_adapter_for_another_base_is_one_line(tmp_path, home):
     assert "--init-adapter" not in line and not (tmp_path / "st" / "segments").exists()
     r = run_cli(["run", "tiny", str(tmp_path / "rows.jsonl"), "--adapter", f"tiny={tmp_path / 'other'}", "--state", str(tmp_path / "s2")])
     one_line(r, "is the base model's name")
+
+
+def test_pack_carries_every_named_adapter(tmp_path):
+    from spillpack.pack.inputs import plan
+
+    for i in range(2):
+        (tmp_path / "ads" / f"a{i}").mkdir(parents=True)
+        (tmp_path / "ads" / f"a{i}" / "adapter_config.json").write_text("{}")
+    (tmp_path / "rows.jsonl").write_text("{}\n")
+    value = f"a0={tmp_path / 'ads' / 'a0'},a1={tmp_path / 'ads' / 'a1'},far=s3://bucket/adapters/far"
+    p = plan({"input": str(tmp_path / "rows.jsonl"), "adapter": value}, include_weights=False)
+    assert p.rewrites["adapter"] == "a0=files/data/ads/a0,a1=files/data/ads/a1,far=s3://bucket/adapters/far"
+    assert {"files/data/ads/a0/adapter_config.json", "files/data/ads/a1/adapter_config.json", "files/data/rows.jsonl"} <= set(p.files)

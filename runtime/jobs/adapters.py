@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 from runtime.base.errors import SpillpackError
 from runtime.base.fileio import sha256_bytes
+from runtime.bootstrap.manifest import BUNDLE_PREFIX
 from runtime.jobs import init_adapter
 from runtime.models.lora import PEFT_CONFIG, PEFT_WEIGHTS, LoraSpec
 from runtime.state.uri import open_store
@@ -73,10 +74,13 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name).lstrip("0123456789.-") or "a"
 
 
-def load(value: str | None, model_dir, base_names: set[str]) -> list[Adapter]:
-    """Each adapter the option names, read and checked against the base in `model_dir`."""
+def load(value: str | None, model_dir, base_names: set[str], bundle=None) -> list[Adapter]:
+    """Each adapter the option names, read and checked against the base in `model_dir`; in a
+    bundle, a named adapter's bundled SRC is localized and checked as a plain option's value is."""
     out = []
     for name, src in parse(value):
+        if bundle is not None and src.startswith(BUNDLE_PREFIX):
+            src = bundle.localize({"adapter": src})["adapter"]
         if name in base_names:
             raise SpillpackError(f"--adapter {name}={src}: {name!r} is the base model's name, which rows use for the base",
                                  f"another NAME, e.g. --adapter {name}-tuned={src}")

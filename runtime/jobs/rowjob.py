@@ -83,7 +83,7 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
         check_output(o["out"], directory=False)
         check_out_free(o)
     base_names = {model_ref, model_dir.path.name, "base"}
-    adapters = adapters_of.load(o.get("adapter"), model_dir, base_names)
+    adapters = adapters_of.load(o.get("adapter"), model_dir, base_names, inv.bundle)
     rows = adapters_of.route(rows, adapters, model_ref, base_names, task.every_model)
     encode_rows(rows, tokenizer, int(model_dir.config.get("max_position_embeddings") or 2048))
     bad = [r for r in rows if r.error]
