@@ -40,7 +40,7 @@ def family_targets(config):
 
 
 def generate(engine, model_dir, tokenizer, adapter, requests, slots=4):
-    gen = engine.generator(model_dir, tokenizer, adapter, slots=slots, max_len=64)
+    gen = engine.generator(model_dir, tokenizer, adapter, slots=slots, max_len=96)
     for r in requests:
         gen.add(r)
     out = {}
@@ -59,6 +59,9 @@ def check_rows_match_single_runs(model_dir, engine, n=12):
     tok = Tokenizer.from_dir(model_dir.path)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, config["vocab_size"] - 10, size=int(rng.integers(3, 20))).tolist() for _ in range(n)]
+    # All but a few start alike for longer than the prefix cache's threshold: its keys are one adapter's.
+    shared = rng.integers(0, config["vocab_size"] - 10, size=24).tolist()
+    prompts = [p if i % 5 == 4 else shared + p for i, p in enumerate(prompts)]
     reqs = [Request(str(i), p, 8, adapter=i % 4 - 1) for i, p in enumerate(prompts)]
     mixed = generate(engine, model_dir, tok, [(t, s) for t, s in ads], reqs)
     base = generate(engine, model_dir, tok, None, [Request(r.key, r.prompt_ids, 8) for r in reqs])

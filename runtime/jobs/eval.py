@@ -54,7 +54,7 @@ def _finisher(metric: str, field, many: bool):
         extra = {"eval.json": orjson.dumps({**summary, "rows": len(rows)}, option=orjson.OPT_INDENT_2),
                  "answers.jsonl": b"".join(orjson.dumps(x) + b"\n" for x in lines)}
         if not many:
-            lo, hi = base["ci95"]
+            lo, hi = wilson(base["correct"], base["rows"])
             message = (f"accuracy {base['correct'] / base['rows']:.3f} ({base['correct']}/{base['rows']}), "
                        f"95% interval [{lo:.3f}, {hi:.3f}] by {metric}")
         else:
