@@ -39,8 +39,12 @@ def family_targets(config):
     return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if config.get("model_type") == "phi3" else ALL
 
 
-def generate(engine, model_dir, tokenizer, adapter, requests, slots=4):
-    gen = engine.generator(model_dir, tokenizer, adapter, slots=slots, max_len=96)
+def generate(engine, model_dir, tokenizer, adapter, requests, slots=4, every_slot=None):
+    from runtime.engines.generation import Generator
+    from runtime.engines.torch.decode import TorchDecoder
+
+    # every_slot: a GPU's decode step (every slot in place, idle ones computing a throwaway token), here on the CPU
+    gen = Generator(TorchDecoder(engine.load_model(model_dir, adapter), slots, 96, every_slot=every_slot), tokenizer)
     for r in requests:
         gen.add(r)
     out = {}
@@ -50,7 +54,7 @@ def generate(engine, model_dir, tokenizer, adapter, requests, slots=4):
     return out
 
 
-def check_rows_match_single_runs(model_dir, engine, n=12):
+def check_rows_match_single_runs(model_dir, engine, n=12, every_slot=None):
     """A batch mixing three adapters and the base gives each row the tokens a run of its model alone gives."""
     config = model_dir.config
     targets = family_targets(config)
@@ -63,10 +67,11 @@ def check_rows_match_single_runs(model_dir, engine, n=12):
     shared = rng.integers(0, config["vocab_size"] - 10, size=24).tolist()
     prompts = [p if i % 5 == 4 else shared + p for i, p in enumerate(prompts)]
     reqs = [Request(str(i), p, 8, adapter=i % 4 - 1) for i, p in enumerate(prompts)]
-    mixed = generate(engine, model_dir, tok, [(t, s) for t, s in ads], reqs)
+    mixed = generate(engine, model_dir, tok, [(t, s) for t, s in ads], reqs, every_slot=every_slot)
     base = generate(engine, model_dir, tok, None, [Request(r.key, r.prompt_ids, 8) for r in reqs])
     for a in (-1, 0, 1, 2):
-        alone = generate(engine, model_dir, tok, None if a < 0 else ads[a], [Request(r.key, r.prompt_ids, 8) for r in reqs if r.adapter == a])
+        alone = generate(engine, model_dir, tok, None if a < 0 else ads[a], [Request(r.key, r.prompt_ids, 8) for r in reqs if r.adapter == a],
+                         every_slot=every_slot)
         assert {k: mixed[k] for k in alone} == alone, (a, config.get("model_type"))
     assert all(mixed[r.key] != base[r.key] for r in reqs if r.adapter >= 0)  # the adapters change the answers
 
@@ -77,9 +82,10 @@ def test_each_family_answers_each_row_as_its_adapter_alone(family, tmp_path, hom
     check_rows_match_single_runs(resolve_model(str(path)), get_engine("torch-cpu", base_dtype="float32"))
 
 
-def test_a_bfloat16_base_too(tmp_path, home):
+@pytest.mark.parametrize("every_slot", [False, True])
+def test_a_bfloat16_base_too(tmp_path, home, every_slot):
     path, _ = make_family("llama", tmp_path / "llama")
-    check_rows_match_single_runs(resolve_model(str(path)), get_engine("torch-cpu", base_dtype="bfloat16"))
+    check_rows_match_single_runs(resolve_model(str(path)), get_engine("torch-cpu", base_dtype="bfloat16"), every_slot=every_slot)
 
 
 def test_mixed_batch_logits_equal_peft_mixed_batch(tmp_path, home):
