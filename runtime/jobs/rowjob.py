@@ -306,7 +306,11 @@ class RowsWork:
         self.gen = engine.generator(model_dir, tokenizer, adapter, slots=min(self.o["batch"], len(self.todo)),
                                     max_len=max(len(r.prompt_ids) + r.max_tokens for r in self.todo))
         self.by_id = {r.custom_id: r for r in self.todo}
-        for r in self.todo:
+        # Many adapters: the rows join the batch grouped by adapter (stably), so most prefills find
+        # the prefix cache's keys of their own adapter and most steps run one adapter's update on
+        # every row; rows of two adapters share steps where one group ends and the next begins.
+        # A row's answer does not depend on its batch mates, and the output keeps the input's order.
+        for r in sorted(self.todo, key=lambda r: r.adapter) if per_row else self.todo:
             self.gen.add(Request(r.custom_id, r.prompt_ids, r.max_tokens, r.temperature, r.top_p, r.seed, stop=r.stop,
                                  logprobs=r.logprobs, top_logprobs=r.top_logprobs, presence_penalty=r.presence_penalty,
                                  frequency_penalty=r.frequency_penalty, grammar=r.grammar,
