@@ -200,7 +200,32 @@ def main() -> None:
         b = median(base_s)
         report["baseline_one_adapter"] = {"tokens_per_s": round(tokens / b, 1), "this_tree_tokens_per_s": round(tokens / one, 1),
                                           "ratio": round(b / one, 3), "rounds_s": [round(x, 2) for x in base_s]}
+    report["rows"] = table_rows(args, report)
     print(json.dumps(report, indent=2))
+
+
+def table_rows(args, r: dict) -> list[dict]:
+    """docs/benchmarks.md's rows (benchmarks/report.py) of this report."""
+    what = f"{args.rows} rows over {args.adapters} rank-{args.rank} adapters, SmolLM2, --batch {args.batch}, {args.max_tokens} tokens"
+    ip, e2e = r["in_process"], r["end_to_end"]
+    ld = " -> ".join(str(x) for x in r["load"])
+    rows = [
+        {"command": f"bench_adapters.py: {what}, one batch", "dtype": "float32", "threads": "default",
+         "ours": f"{ip['many_adapters_tokens_per_s']} tokens/s (adapters interleaved row by row: {ip['interleaved_tokens_per_s']}, "
+                 f"{ip['interleaved_ratio']:.2f}x)",
+         "peer": f"{ip['one_adapter_tokens_per_s']} tokens/s", "peer_name": "the same rows on one adapter",
+         "ratio": ip["ratio"], "load": ld},
+        {"command": f"bench_adapters.py: {what}, end to end", "dtype": "float32", "threads": "default",
+         "ours": f"one run job: {e2e['one_job_s']} s, {e2e['one_job_peak_mib']} MiB peak",
+         "peer": f"{e2e['separate_jobs_s']} s, {max(e2e['separate_peak_mib'])} MiB peak each",
+         "peer_name": f"{args.adapters} run jobs, one per adapter", "ratio": e2e["ratio"], "load": ld},
+    ]
+    if "baseline_one_adapter" in r:
+        b = r["baseline_one_adapter"]
+        rows.append({"command": f"bench_adapters.py: the same rows on one adapter, --baseline", "dtype": "float32",
+                     "threads": "default", "ours": f"{b['this_tree_tokens_per_s']} tokens/s", "peer": f"{b['tokens_per_s']} tokens/s",
+                     "peer_name": "the code before many adapters", "ratio": b["ratio"], "load": ld})
+    return rows
 
 
 if __name__ == "__main__":
