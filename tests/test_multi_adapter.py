@@ -278,3 +278,28 @@ def test_pack_carries_every_named_adapter(tmp_path):
     p = plan({"input": str(tmp_path / "rows.jsonl"), "adapter": value}, include_weights=False)
     assert p.rewrites["adapter"] == "a0=files/data/ads/a0,a1=files/data/ads/a1,far=s3://bucket/adapters/far"
     assert {"files/data/ads/a0/adapter_config.json", "files/data/ads/a1/adapter_config.json", "files/data/rows.jsonl"} <= set(p.files)
+
+
+@pytest.mark.slow
+def test_a_bundle_of_named_adapters_runs_elsewhere(four, phome, tiny_home):
+    import shutil
+
+    from tests.conftest import clean_env
+    from tests.test_pack import new_home, run_bundle
+
+    tmp, flags = four
+    rows = [json.loads(x) for x in (tmp / "rows.jsonl").read_text().splitlines()][:6]
+    (tmp / "few.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = run_cli(["pack", "run", "tiny", str(tmp / "few.jsonl"), "--name", "four", *flags, "-o", str(tmp / "out" / "b")])
+    assert r.returncode == 0, r.stderr
+    job = json.loads((tmp / "out/b/files/job.json").read_text())
+    assert all(part.split("=", 1)[1].startswith("files/data/") for part in job["options"]["adapter"].split(","))
+    bundle = tmp / "elsewhere" / "b"
+    shutil.copytree(tmp / "out" / "b", bundle)
+    for i in range(4):
+        shutil.rmtree(tmp / f"ad{i}")  # the bundle's own copies only
+    home = new_home(tmp, tiny_home, "node")
+    done = run_bundle(bundle, env=clean_env(home))
+    assert done.returncode == 0, done.stderr
+    out = [json.loads(x) for x in (home / "jobs" / "four" / "results.jsonl").read_text().splitlines()]
+    assert [x["response"]["body"]["model"] for x in out] == ["tiny", "a0", "a1", "a2", "a3", "tiny"]
