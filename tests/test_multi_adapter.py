@@ -73,7 +73,8 @@ def check_rows_match_single_runs(model_dir, engine, n=12, every_slot=None):
         alone = generate(engine, model_dir, tok, None if a < 0 else ads[a], [Request(r.key, r.prompt_ids, 8) for r in reqs if r.adapter == a],
                          every_slot=every_slot)
         assert {k: mixed[k] for k in alone} == alone, (a, config.get("model_type"))
-    assert all(mixed[r.key] != base[r.key] for r in reqs if r.adapter >= 0)  # the adapters change the answers
+    for a in (0, 1, 2):  # each adapter changes its answers (a row may still come out as the base's)
+        assert any(mixed[r.key] != base[r.key] for r in reqs if r.adapter == a), a
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "phi3", "gemma3_text"])
