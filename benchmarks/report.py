@@ -37,8 +37,12 @@ METHOD = """\
   CPU held by a busy loop (a node shared with another job).
 - `bench_llamacpp.py`: `spillpack run` against llama-cpp-python (built from its sdist on first
   use) on the same GGUF file and the same prompt token ids, same thread count.
+- `bench_adapters.py`: `run` with four LoRA adapters in one batch (`--adapter NAME=SRC`, rows
+  spread round-robin) against the same rows on one adapter in the same process, and one `run`
+  job end to end (process start to exit) against a job per adapter run one after the other;
+  `--baseline` repeats the one-adapter pass on another checkout's code.
 - Other benchmarks in `benchmarks/` (engines, pack, S3, shards, memory, validation, grammar,
-  adapters, sharded tune) print their own tables; their docstrings say how.
+  sharded tune) print their own tables; their docstrings say how.
 - Threads are each side's `--threads` (or its default where the command says so). A load average
   above the CPU count means other processes shared the cores: read such rows as ratios only.
 """

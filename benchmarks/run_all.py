@@ -37,6 +37,9 @@ TABLE_RUNS = {  # the table's rows: JSON-reporting benchmarks
     "run tiny mixed, default threads": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "mixed", "--rounds", "3"],
     "run smollm2 mixed, default threads": ["bench_run.py", "--model", "smollm2", "--prompts", "32", "--stop", "mixed", "--rounds", "3"],
     "shared cores": ["bench_shared.py", "--rounds", "1"],
+    # four rank-16 adapters over 128 rows in one batch, against one adapter and against four jobs
+    "adapters smollm2": ["bench_adapters.py", "--rows", "128", "--adapters", "4", "--rank", "16", "--max-tokens", "16",
+                         "--batch", "16", "--rounds", "1"],
 }
 OTHER_RUNS = [
     ["bench_engines.py", "--steps", "3"],

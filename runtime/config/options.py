@@ -233,7 +233,10 @@ SHARDING = (
 )
 
 _ROW_COMMON = (
-    Opt("adapter", None, help="a LoRA adapter directory or URI to apply", metavar="URI"),
+    Opt("adapter", None, repeat=True, metavar="[NAME=]SRC",
+        help="a LoRA adapter to answer with (a PEFT or mlx-lm adapter directory or a tune's state: path or s3://); "
+             "NAME=SRC, repeatable, serves many in one batch, each row choosing by its body.model (the base by the model's name; "
+             "four adapters' rows: examples/data/adapters.jsonl)"),
     Opt("out", None, help="also write the results file here", metavar="FILE"),
     Opt("max_tokens", 256, int, help="default max new tokens per row", min=1),
     Opt("temperature", 0.0, float, help="default sampling temperature (0 = greedy)", min=0, max=2),

@@ -23,8 +23,9 @@ from runtime.data.messages import normalize
 from runtime.data.jsonl import MAX_NESTING, iter_jsonl, nesting_past
 from runtime.base.errors import SpillpackError
 
-# Body parameters we honour; "model" is the job's model whatever the row says, "n" and
-# "stream" only in the one value a batch line can mean.
+# Body parameters we honour; "model" chooses among the job's named adapters and its base
+# (runtime/jobs/adapters.py) and is not read without them, "n" and "stream" only in the one
+# value a batch line can mean.
 SUPPORTED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "model", "n",
              "stream", "user", "chat_template_kwargs", "stop", "logprobs", "top_logprobs", "presence_penalty",
              "frequency_penalty", "response_format"}
@@ -64,6 +65,9 @@ class Row:
     grammar: str | None = None  # llguidance grammar from response_format (runtime/data/grammars.py)
     prompt_ids: list[int] = field(default_factory=list)
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, e.g. {"enable_thinking": true}
+    model: str | None = None  # body.model as the row names it
+    adapter: int = -1  # the named adapter that answers it (runtime/jobs/adapters.py), -1: the base or the one plain adapter
+    served: str | None = None  # the model it is answered as: the output's `model`
 
 
 def parse_rows(raw: bytes, uri: str, max_tokens: int, temperature: float, top_p: float, seed: int) -> list[Row]:
@@ -149,6 +153,7 @@ def _fill(row: Row, obj: dict) -> None:
     if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
         raise _Bad(f"{name} must be a positive integer, not {mt!r}"[:200], name)
     row.max_tokens = mt
+    row.model = body.get("model") if isinstance(body.get("model"), str) else None
     row.temperature = _number(body, "temperature", row.temperature, 0, 2)
     row.top_p = _number(body, "top_p", row.top_p, 0, 1, lo_open=True)
     s = body.get("seed", row.seed)

@@ -49,6 +49,7 @@ class Request:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     grammar: str | None = None  # llguidance grammar text (runtime/data/grammars.py)
+    adapter: int | None = None  # which of the decoder's adapters answers (-1: the base); None: the model as loaded
 
     @property
     def plain(self) -> bool:
@@ -183,6 +184,7 @@ class Generator:
             for _ in starting:
                 self.pending.popleft()
             slots = free[: len(starting)]
+            self._assign(slots, starting)
             decoded, started = self.decoder.decode_and_prefill(
                 running, [self.rows[i].tokens[-1] for i in running], slots, [r.prompt_ids for r in starting])
             self._push(running, decoded, finished)
@@ -205,10 +207,16 @@ class Generator:
                 self.pending.popleft()
             for group in self._prefill_groups(starting):
                 slots = [free.pop(0) for _ in group]
+                self._assign(slots, group)
                 for slot, req in zip(slots, group):
                     self.rows[slot] = self._start_row(req)
                 self._push(slots, self.decoder.prefill(slots, [r.prompt_ids for r in group]), finished)
         return finished
+
+    def _assign(self, slots: list[int], requests: list[Request]) -> None:
+        """Tell a decoder of many adapters which one each slot's new request answers with."""
+        if any(r.adapter is not None for r in requests):
+            self.decoder.use_adapters(slots, [-1 if r.adapter is None else r.adapter for r in requests])
 
     def _starting(self, free: list[int]) -> list[Request]:
         """The pending requests the free slots would take now, shortest prompt first (not yet taken)."""

@@ -11,6 +11,10 @@ A prefill computes only what the cache does not hold already, and in bounded pie
   prompt appending to the cache, so activations are bounded by the chunk, not by slots x the
   longest prompt.
 
+With many adapters in one batch (each slot's adapter set by use_adapters) a slot's keys are its
+adapter's: the prefix cache's entry is reused only by a prompt of the adapter that made it, and a
+group's common start is shared only where the group is of one adapter.
+
 The decisions (which prefix to reuse, what to remember, how to cut the pieces) are plain
 Python on token ids, so they live here once and the engines cannot drift apart on them. An
 engine's decoder subclasses PrefixPrefill and supplies the five tensor operations at the end.
@@ -47,6 +51,23 @@ class PrefixPrefill:
         self.max_len, self.chunk_tokens = max_len, chunk_tokens
         self.keeps_prefix = prefix_cache
         self.prefix_ids: list[int] = []  # the entry's prompt; its keys and values are the engine's
+        self.prefix_adapter = -1  # the adapter whose keys the entry holds
+        self.slot_adapter: np.ndarray | None = None  # each slot's adapter (-1: the base); None: one model for every row
+
+    def use_adapters(self, slots: list[int], adapters: list[int]) -> None:
+        """The adapter each of `slots` answers with from its next prefill on (runtime/engines/torch/multi_lora.py)."""
+        if self.slot_adapter is None:
+            self.slot_adapter = np.full(self.slots, -1, dtype=np.int64)
+        self.slot_adapter[slots] = adapters
+
+    def _adapter(self, slot: int) -> int:
+        return -1 if self.slot_adapter is None else int(self.slot_adapter[slot])
+
+    def _token_adapters(self, slots: list[int], counts) -> np.ndarray | None:
+        """Each token's adapter for a forward of `counts[i]` tokens of slots[i], in order; None: one model."""
+        if self.slot_adapter is None:
+            return None
+        return np.repeat(self.slot_adapter[slots], counts)
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> Logits:
         """Start each prompt in its slot (the slot's old keys are dropped); (n, V) logits at each prompt's end."""
@@ -58,12 +79,13 @@ class PrefixPrefill:
     def _share_group_prefix(self, slots: list[int], prompts: list[list[int]]) -> None:
         """Where the prompts start alike for longer than the prefix cache holds, run that start once
         (in the first row's slot) and cache it, so every row copies it."""
-        if not self.keeps_prefix or len(prompts) < 2:
+        if not self.keeps_prefix or len(prompts) < 2 or len({self._adapter(s) for s in slots}) > 1:
             return
         common = min(map(len, prompts)) - 1  # each row still runs its last token
         for p in prompts[1:]:
             common = shared_prefix(prompts[0][:common], p)
-        if common < MIN_SHARED_PREFIX or shared_prefix(self.prefix_ids, prompts[0]) >= common:
+        held = shared_prefix(self.prefix_ids, prompts[0]) if self._adapter(slots[0]) == self.prefix_adapter else 0
+        if common < MIN_SHARED_PREFIX or held >= common:
             return
         head = prompts[0][:common]
         self._run(slots[:1], [head], [self._reuse(slots[0], head)])
@@ -71,7 +93,7 @@ class PrefixPrefill:
 
     def _reuse(self, slot: int, prompt: list[int]) -> int:
         """Copy the prefix cache's keys and values of the prompt's start into its slot; how many tokens (0: none)."""
-        if not self.keeps_prefix:
+        if not self.keeps_prefix or self._adapter(slot) != self.prefix_adapter:
             return 0
         n = min(shared_prefix(self.prefix_ids, prompt), len(prompt) - 1)  # the last token runs: its logits are needed
         if n < MIN_SHARED_PREFIX:
@@ -81,10 +103,11 @@ class PrefixPrefill:
 
     def _remember(self, slot: int, prompt: list[int]) -> None:
         """The prompt, prefilled in `slot`, becomes the prefix cache's entry (unless the entry holds it already)."""
-        if not self.keeps_prefix or len(prompt) < MIN_SHARED_PREFIX or shared_prefix(self.prefix_ids, prompt) == len(prompt):
+        same = self._adapter(slot) == self.prefix_adapter
+        if not self.keeps_prefix or len(prompt) < MIN_SHARED_PREFIX or same and shared_prefix(self.prefix_ids, prompt) == len(prompt):
             return
         self._to_entry(slot, len(prompt))
-        self.prefix_ids = list(prompt)
+        self.prefix_ids, self.prefix_adapter = list(prompt), self._adapter(slot)
 
     def _run(self, slots: list[int], prompts: list[list[int]], starts: list[int]) -> Logits:
         """Run each prompt from `starts` (the tokens its slot holds already) to its end, at most

@@ -12,14 +12,12 @@ What differs between run, eval and distill is a `RowTask`: which arguments name 
 and the input, what a row must carry, what goes into the job's identity, and the output.
 """
 
-import hashlib
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import orjson
 
-from runtime.models.lora import load_adapter
 from runtime.config.invocation import Invocation
 from runtime.data.jsonl import read_bytes
 from runtime.base.errors import SpillpackError, UsageError
@@ -28,9 +26,9 @@ from runtime.base.signals import Abandon
 from runtime.base.fileio import sha256_bytes
 from runtime.engines.generation import Request
 from runtime.engines.registry import base_dtype, dtype_fields
-from runtime.jobs import estimate, shards
+from runtime.jobs import adapters as adapters_of, estimate, shards
 from runtime.jobs.sizing import plan_rows
-from runtime.models.ref import local_path, resolve_model
+from runtime.models.ref import resolve_model
 from runtime.data.rows import Row, encode_rows, error_line, ok_line, parse_rows, system_fingerprint
 from runtime.state.uri import check_output, uri_exists, write_uri
 from runtime.models.tokenizer import Tokenizer
@@ -57,18 +55,7 @@ class RowTask:
     finish: Callable[[list[Row], list[dict]], Output]
     check: Callable[[list[Row], str], None] = lambda rows, uri: None
     identity: dict = None
-
-
-def adapter_for(uri: str | None):
-    """(tensors, spec) and a fingerprint of the adapter's files, or (None, None)."""
-    if not uri:
-        return None, None
-    path = local_path(uri, "adapters")
-    tensors, spec = load_adapter(path)
-    h = hashlib.sha256()
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        h.update((path / name).read_bytes())
-    return (tensors, spec), h.hexdigest()
+    every_model: bool = False  # with named adapters, every row once for the base and once per adapter (eval)
 
 
 def check_out_free(o: dict) -> None:
@@ -95,7 +82,9 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
     if o.get("out"):
         check_output(o["out"], directory=False)
         check_out_free(o)
-    adapter, adapter_fp = adapter_for(o.get("adapter"))
+    base_names = {model_ref, model_dir.path.name, "base"}
+    adapters = adapters_of.load(o.get("adapter"), model_dir, base_names, inv.bundle)
+    rows = adapters_of.route(rows, adapters, model_ref, base_names, task.every_model)
     encode_rows(rows, tokenizer, int(model_dir.config.get("max_position_embeddings") or 2048))
     bad = [r for r in rows if r.error]
     if len(bad) == len(rows):
@@ -104,7 +93,7 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
     identity = {
         "command": task.command,
         "model": model_dir.fingerprint(),
-        "adapter": adapter_fp,
+        **adapters_of.identity(adapters),
         "input_sha256": sha256_bytes(raw),
         **{k: o[k] for k in ("max_tokens", "temperature", "top_p", "seed")},
         **(task.identity or {}),
@@ -117,8 +106,8 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
     shard = shards.shard_identity(identity, split, len(rows)) if split.count > 1 and split.index is not None else None
     with Job.open(inv, identity, events, shard=shard) as job:
         if split.count > 1:
-            return _run_shard(job, inv, events, task, rows, split, (tokenizer, model_dir, adapter, job_key))
-        return _run(job, inv, events, task, rows, (tokenizer, model_dir, adapter, job_key))
+            return _run_shard(job, inv, events, task, rows, split, (tokenizer, model_dir, adapters, job_key))
+        return _run(job, inv, events, task, rows, (tokenizer, model_dir, adapters, job_key))
 
 
 def one_dtype(job: Job, inv, rows: int) -> None:
@@ -136,10 +125,10 @@ def one_dtype(job: Job, inv, rows: int) -> None:
 def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tuple["RowsWork", Outcome | None]:
     """Generate every row of `rows` not committed yet: the work, and the Outcome if it stopped."""
     a, o = inv.arguments, inv.options
-    tokenizer, model_dir, adapter, job_key = model
+    tokenizer, model_dir, adapters, job_key = model
     state = job.state
     total = len(rows)
-    work = RowsWork(job, task, rows, a[task.model_arg], job_key, o)
+    work = RowsWork(job, task, rows, a[task.model_arg], job_key, o, adapters)
     if work.lines:
         one_dtype(job, inv, len(work.lines))
         job.restored(len(work.lines), state.uri)
@@ -160,10 +149,15 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
                 message=f"{task.command} {a[task.model_arg]} on {a[task.input_arg]}{label}: {len(work.todo)} of {total} rows to generate "
                         f"({len(work.lines)} done or failed, up to {gen_tokens} new tokens) in batches of {o['batch']} "
                         f"on {job.engine_name}{'; ' + plan.describe() if plan else ''}; state at {state.uri}")
+    adapter, per_row = adapters_of.for_engine(adapters, work.todo) if generating else (None, False)
+    if per_row and job.engine_name == "mlx":
+        raise SpillpackError("the mlx engine answers with one adapter per job, and these rows ask for "
+                             f"{len({r.adapter for r in work.todo})} models (named adapters and the base)",
+                             "--engine torch-cpu to answer them in one batch, or one job per adapter")
     if generating:
         try:
             with job.preemption.setup():  # loading the model: a stop abandons it, nothing to save yet
-                work.start(engine, model_dir, tokenizer, adapter)
+                work.start(engine, model_dir, tokenizer, adapter, per_row)
         except Abandon:
             work.commit()  # rows restored or failed at parse time
             return work, job.preempted(work.done, abandoned_quantum=True)
@@ -266,7 +260,7 @@ class RowsWork:
     """The row loop's quanta: one generation step of the continuous batch each. Finished rows are
     committed in segments every --commit-rows rows or --commit-seconds, and on preemption."""
 
-    def __init__(self, job: Job, task: RowTask, rows: list[Row], model_ref: str, job_key: str, o: dict):
+    def __init__(self, job: Job, task: RowTask, rows: list[Row], model_ref: str, job_key: str, o: dict, adapters=()):
         self.job, self.task, self.rows, self.model_ref, self.job_key, self.o = job, task, rows, model_ref, job_key, o
         self.lines: dict[str, dict] = {}  # custom_id -> output line, committed or not
         state = job.state
@@ -284,7 +278,12 @@ class RowsWork:
         self.last_commit = time.monotonic()
         self.gen = None
         self._results = []
-        self.fingerprint = system_fingerprint(state.identity.get("model"), state.identity.get("adapter"))
+        model_fp = state.identity.get("model")
+        self.fingerprint = system_fingerprint(model_fp, state.identity.get("adapter"))
+        # Named adapters: each row's own, over the base and its adapter (the base's rows: no adapter).
+        self.named = [a for a in adapters if a.name is not None]
+        self.fingerprints = [system_fingerprint(model_fp, a.fingerprint) for a in self.named]
+        self.base_fingerprint = system_fingerprint(model_fp, None)
 
     @property
     def done(self) -> int:
@@ -294,15 +293,28 @@ class RowsWork:
         self.lines[custom_id] = line
         self.uncommitted.append(line)
 
-    def start(self, engine, model_dir, tokenizer, adapter) -> None:
+    def _served(self, row: Row) -> tuple[str, str]:
+        """The model a row's line names, and its system_fingerprint."""
+        if not self.named:
+            return self.model_ref, self.fingerprint
+        if row.adapter < 0:
+            return self.model_ref, self.base_fingerprint
+        return row.served, self.fingerprints[row.adapter]
+
+    def start(self, engine, model_dir, tokenizer, adapter, per_row: bool = False) -> None:
         self.engine = engine
         self.gen = engine.generator(model_dir, tokenizer, adapter, slots=min(self.o["batch"], len(self.todo)),
                                     max_len=max(len(r.prompt_ids) + r.max_tokens for r in self.todo))
         self.by_id = {r.custom_id: r for r in self.todo}
-        for r in self.todo:
+        # Many adapters: the rows join the batch grouped by adapter (stably), so most prefills find
+        # the prefix cache's keys of their own adapter and most steps run one adapter's update on
+        # every row; rows of two adapters share steps where one group ends and the next begins.
+        # A row's answer does not depend on its batch mates, and the output keeps the input's order.
+        for r in sorted(self.todo, key=lambda r: r.adapter) if per_row else self.todo:
             self.gen.add(Request(r.custom_id, r.prompt_ids, r.max_tokens, r.temperature, r.top_p, r.seed, stop=r.stop,
                                  logprobs=r.logprobs, top_logprobs=r.top_logprobs, presence_penalty=r.presence_penalty,
-                                 frequency_penalty=r.frequency_penalty, grammar=r.grammar))
+                                 frequency_penalty=r.frequency_penalty, grammar=r.grammar,
+                                 adapter=r.adapter if per_row else None))
         self.new_tokens, self.generated, self.t_gen = 0, 0, time.perf_counter()
 
     def remaining(self) -> bool:
@@ -321,7 +333,8 @@ class RowsWork:
             if limit is not None and len(self.lines) >= limit:
                 break  # --stop-after N is N rows exactly: rows finished past it are generated again on the next run
             row = self.by_id[res.key]
-            self._record(row.custom_id, ok_line(row, res, self.model_ref, self.job_key, self.fingerprint))
+            served, fingerprint = self._served(row)
+            self._record(row.custom_id, ok_line(row, res, served, self.job_key, fingerprint))
             self.new_tokens += res.completion_tokens
             self.generated += 1
             elapsed = time.perf_counter() - self.t_gen

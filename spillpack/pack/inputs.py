@@ -15,6 +15,7 @@ from pathlib import Path
 
 from runtime.bootstrap.manifest import BUNDLE_PREFIX
 from runtime.base.errors import SpillpackError
+from runtime.jobs.adapters import parse as adapter_parts
 from runtime.models.gguf.model import is_gguf
 from runtime.models.ref import TAGS
 
@@ -131,13 +132,16 @@ def plan(values: dict, include_weights: bool) -> Plan:
         result.rewrites[WEIGHTS_OPTION] = f"{BUNDLE_PREFIX}weights/{label}"
         result.files[f"{BUNDLE_PREFIX}weights/{label}/{label}.gguf"] = blob
         values = {k: v for k, v in values.items() if k != WEIGHTS_OPTION}
-    data: dict[str, Path] = {}
+    data: dict[tuple[str, int], Path] = {}  # (option, which of its values: a row job's named adapters are many)
+    parts: dict[str, list[tuple[str | None, str]]] = {}
     for name in DATA_OPTIONS:
         value = values.get(name)
         if isinstance(value, str) and value:
-            path = _local(name, value)
-            if path is not None:
-                data[name] = path
+            parts[name] = adapter_parts(value) if name == "adapter" else [(None, value)]
+            for i, (_, src) in enumerate(parts[name]):
+                path = _local(name, src)
+                if path is not None:
+                    data[name, i] = path
     weights: dict[str, Path] = {}
     for name in (*MODEL_OPTIONS, WEIGHTS_OPTION):
         value = values.get(name)
@@ -157,13 +161,21 @@ def plan(values: dict, include_weights: bool) -> Plan:
 
     if data:
         tops = [p if p.is_dir() else p.parent for p in data.values()]
-        file_lists = {name: _build_folder(p) if name == "folder" else _files_under(name, p) for name, p in data.items()}
+        file_lists = {key: _build_folder(p) if key[0] == "folder" else _files_under(key[0], p) for key, p in data.items()}
         common = Path(os.path.commonpath([str(t) for t in tops]))
-        for name, path in data.items():
-            rel = path.relative_to(common).as_posix()
-            result.rewrites[name] = BUNDLE_PREFIX + "data" + ("" if rel == "." else "/" + rel)
-            for f in file_lists[name]:
+        for key, path in data.items():
+            for f in file_lists[key]:
                 result.files[BUNDLE_PREFIX + "data/" + f.relative_to(common).as_posix()] = f
+        for name, values_of in parts.items():
+            if not any((name, i) in data for i in range(len(values_of))):
+                continue
+            out = []
+            for i, (label, src) in enumerate(values_of):
+                if (name, i) in data:
+                    rel = data[name, i].relative_to(common).as_posix()
+                    src = BUNDLE_PREFIX + "data" + ("" if rel == "." else "/" + rel)
+                out.append(src if label is None else f"{label}={src}")
+            result.rewrites[name] = ",".join(out)
     used: set[str] = set()
     for name, path in weights.items():
         files = _files_under(name, path)

@@ -13,6 +13,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from runtime.base.errors import SpillpackError
 from runtime.models.dropout import feature_keys, keep_mask, token_keys
 from runtime.models.lora import LoraSpec
 from runtime.models.memory import loss_chunk
@@ -259,6 +260,9 @@ class MLXEngine:
         return MLXTrainSession(self, model_dir, spec, tensors, opt, seed)
 
     def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | None = None):
+        if isinstance(adapter, list):  # rowjob refuses it first, in one line: this is the engine's own guard
+            raise SpillpackError("the mlx engine answers with one adapter per job, not many in one batch",
+                                 "--engine torch-cpu for many adapters, or one job per adapter")
         model = load_model(model_dir, dtype=self.base_dtype)
         if adapter is not None:
             tensors, spec = adapter

@@ -81,6 +81,12 @@ class TorchDecoder(PrefixPrefill):
         self.prefix_k = zeros(entry, self.cache.k.dtype, self.device) if prefix_cache else None
         self.prefix_v = zeros(entry, self.cache.v.dtype, self.device) if prefix_cache else None
 
+    def _adapt(self, slots: list[int], counts) -> None:
+        """Many adapters (multi_lora.py): each token of the next forward's adapter, `counts` tokens per slot in order."""
+        ids = self._token_adapters(slots, counts)
+        if ids is not None and getattr(self.model, "adapter_rows", None) is not None:
+            self.model.adapter_rows.set(ids)
+
     @staticmethod
     def _host(logits: torch.Tensor) -> TorchLogits:
         return TorchLogits(logits)
@@ -101,6 +107,7 @@ class TorchDecoder(PrefixPrefill):
     def _forward(self, slots: list[int], pieces: list[list[int]], offsets: list[int], width: int) -> torch.Tensor:
         """The pieces right-padded into one forward, appended after each slot's `offsets` cached tokens; (n, width, D)."""
         ids = torch.tensor([p + [0] * (width - len(p)) for p in pieces], device=self.device)  # (n, width)
+        self._adapt(slots, width)
         view = self.cache.view(slots)
         view.next_span = max(offsets) + width
         return self.model.hidden_states(ids, cache=view)
@@ -119,11 +126,13 @@ class TorchDecoder(PrefixPrefill):
         if self.every_slot:
             return self._decode_every_slot(slots, last)
         if self.numpy_step is not None:
+            self._adapt(slots, 1)
             logits = self.numpy_step.decode(slots, last, self.host_lengths[slots])
             self._set_lengths(slots, (self.host_lengths[slots] + 1).tolist())
             return self._host(logits)
         n = len(slots)
         rows = self._padded(slots)
+        self._adapt(rows, 1)
         view = self.cache.view(rows)
         view.next_span = self._span(int(self.host_lengths[slots].max()) + 1)
         logits = self.model(torch.tensor(last + [0] * (len(rows) - n), device=self.device)[:, None], cache=view)[:, -1]
@@ -154,6 +163,7 @@ class TorchDecoder(PrefixPrefill):
         lengths = self.host_lengths[slots].tolist()
         pieces = [p[start:] for p, start in zip(prompts, starts)]
         tokens = last + [t for p in pieces for t in p]
+        self._adapt(slots + new_slots, [1] * len(slots) + list(map(len, pieces)))
         if self.numpy_step is not None:
             logits = self._host(self.numpy_step.step(tokens, slots, lengths, list(zip(new_slots, starts, map(len, pieces)))))
         else:
@@ -189,6 +199,7 @@ class TorchDecoder(PrefixPrefill):
 
     def _decode_every_slot(self, slots: list[int], last: list[int]) -> TorchLogits:
         packed = np.zeros((3, self.slots), dtype=np.int64)  # token ids, running (0/1), output order
+        self._adapt(list(range(self.slots)), 1)
         packed[0, slots], packed[1, slots], packed[2, : len(slots)] = last, 1, slots
         packed = torch.from_numpy(packed).to(self.device, non_blocking=True)
         self.cache.next_span = int(self.host_lengths[slots].max()) + 1

@@ -378,12 +378,16 @@ class TorchEngine:
                 self._quantized[key] = (keeps, f"{why}; {head_why}" if keeps else why, keeps and head)
         return self._quantized[key]
 
-    def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | None = None):
+    def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | list[tuple[dict, LoraSpec]] | None = None):
         # A float32 CPU base's GEMMs run faster on weights laid out for them (layout.cpu_inference_layout).
         cpu_inference = self.device.type == "cpu" and self.base_dtype == torch.float32
         model = load_model(model_dir, dtype=self.base_dtype, device=self.device, cpu_inference=cpu_inference,
                            quantized=self.keeps_quantized(model_dir), dense_head=self.dense_head(model_dir))
-        if adapter is not None:
+        if isinstance(adapter, list):  # many adapters in one batch: each request names its own (multi_lora.py)
+            from runtime.engines.torch.multi_lora import apply_adapters
+
+            apply_adapters(model, adapter, self.device)
+        elif adapter is not None:
             tensors, spec = adapter
             apply_lora(model, tensors, spec, self.device)
         return model.eval()

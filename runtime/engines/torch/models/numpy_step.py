@@ -59,15 +59,36 @@ class _Product:
     each LoRA update, scale (x A^T) B^T, added on its linear's columns (as LoRALinear.add_update)."""
 
     def __init__(self, weight, bias, updates=()):
-        self.weight, self.bias, self.updates = weight, bias, updates  # updates: (start, stop, A^T, B^T, scale)
+        # updates: (start, stop, A^T, B^T, scale), or for many adapters (start, stop, AdapterRows, None, {adapter: those three})
+        self.weight, self.bias, self.updates = weight, bias, updates
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         y = product(x, self.weight, self.bias)
         for start, stop, a, b, scale in self.updates:
+            if b is None:  # many adapters (multi_lora.py): a is the shared AdapterRows, scale each adapter's update
+                self._grouped(x, y[:, start:stop], a, scale)
+                continue
             update = (x @ a) @ b
             update *= scale
             y[:, start:stop] += update
         return y
+
+    @staticmethod
+    def _grouped(x: np.ndarray, y: np.ndarray, rows, updates: dict) -> None:
+        """Each adapter's update added on its own tokens' rows of y (MultiLoRALinear.add_update's grouping)."""
+        if rows.single is not None:
+            if rows.single in updates:
+                a, b, scale = updates[rows.single]
+                update = (x @ a) @ b
+                update *= scale
+                y += update
+            return
+        for adapter, index, _ in rows.groups:
+            if adapter in updates:
+                a, b, scale = updates[adapter]
+                update = (x[index] @ a) @ b
+                update *= scale
+                y[index] += update
 
 
 def _product(module: nn.Module, names: tuple[str, ...] | None = None) -> _Product:
@@ -79,6 +100,8 @@ def _product(module: nn.Module, names: tuple[str, ...] | None = None) -> _Produc
         stop = start + _base(m).weight.shape[0]
         if _lora(m) is not None:
             updates.append((start, stop, *_lora(m)))
+        elif hasattr(m, "numpy_updates"):  # a MultiLoRALinear
+            updates.append((start, stop, m.rows, None, m.numpy_updates()))
         start = stop
     return _Product(weight, bias, tuple(updates))
 
