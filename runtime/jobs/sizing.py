@@ -58,6 +58,10 @@ def plan_tune(engine_name: str, engine, model_dir, spec, data, order, total: int
         available, source = available / local, f"{source} / {local} ranks"
     runtime_gb = CUDA_CONTEXT_GB if engine_name == "torch-cuda" else held + STEP_RUNTIME_GB
     params = sum(math.prod(shape) for shape in tensor_shapes(weight_files(model_dir.path)).values())
+    if shards == 1 and getattr(engine, "keeps_quantized", lambda _: False)(model_dir):  # the frozen base in its blocks
+        from runtime.models.gguf.model import resident_bytes
+
+        params = -(-resident_bytes(model_dir.path, dtype_bytes(engine)) // dtype_bytes(engine))  # as dense parameters' bytes
     return fit(model_dir.config, spec.targets, spec.rank, dtype_bytes(engine), lambda m: job_batches(data, order, total, m),
                o["batch"], o["grad_accum"], mode, available, source, runtime_gb, params, o["max_seq"], spec.dropout > 0,
                shards)
@@ -95,6 +99,8 @@ def plan_shards(engine_name: str, engine, model_dir, spec, data, order, total: i
         shards, why = 1, ("--shard-base off" if mode == "off" else "--shard-base auto: one process") + ", the whole base on each rank"
         plan = plan_at(shards)
     plan.shards, plan.shard_why = shards, why
+    if shards == 1:  # a split base is dense (shard.py); a whole one quantized by the rule run follows (plan_tune)
+        plan.quantized, plan.quantized_why = getattr(engine, "quantized_why", lambda _: (False, None))(model_dir)
     return plan
 
 

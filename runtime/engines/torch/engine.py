@@ -138,7 +138,8 @@ class TorchTrainSession:
 
     def _build(self, model_dir, tensors: dict):
         """The frozen base with its LoRA wrappers, and the trainable parameters by name."""
-        model = load_model(model_dir, dtype=self.engine.base_dtype, device=self.engine.device)
+        quantized = self.engine.keeps_quantized(model_dir)  # QLoRA's shape: the base in its blocks (quant_grad.py)
+        model = load_model(model_dir, dtype=self.engine.base_dtype, device=self.engine.device, quantized=quantized, tune=quantized)
         freeze(model, self.engine)
         return model, apply_lora(model, tensors, self.spec, self.engine.device, self.keys)
 

@@ -59,11 +59,12 @@ def load_checkpoint(model_dir: "ModelDir", dtype=torch.float32, device="cpu") ->
 
 
 def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", cpu_inference: bool = False,
-               quantized: bool = False):
+               quantized: bool = False, tune: bool = False):
     """Build the architecture named by config.json and load its weights strictly; `cpu_inference`:
     the weights laid out for a float32 CPU base's generation and evaluation (layout.cpu_inference_layout),
     which no gradient may reach; `quantized` (inference on a CPU): a GGUF's quantized weights kept
-    in their blocks (quant_linear.py), never dequantized whole."""
+    in their blocks (quant_linear.py), never dequantized whole; with `tune`, laid out for a tune's
+    frozen base (quant_layout.quantized_modules)."""
     arch = architecture(model_dir.config, str(model_dir.path / "config.json"))
     args = arch.args.from_dict(model_dir.config)
     # Build on the meta device: no time or memory spent on a random init that is overwritten.
@@ -76,7 +77,7 @@ def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", cpu_inf
     if quantized:
         from runtime.engines.torch.models.quant_layout import quantized_modules
 
-        weights = quantized_modules(model, weights, dtype)
+        weights = quantized_modules(model, weights, dtype, tune)
     model.load_state_dict(weights, strict=True, assign=True)
     del weights
     if cpu_inference:

@@ -13,17 +13,19 @@ from runtime.engines.torch.models.quant_blocks import Blocks, blocks_of, dequant
 from runtime.engines.torch.models.quant_linear import HollowLinear, QuantEmbedding, QuantLinear
 
 
-def quantized_modules(model: nn.Module, weights: dict, dtype) -> dict:
+def quantized_modules(model: nn.Module, weights: dict, dtype, tune: bool = False) -> dict:
     """Put the quantized modules in `model` (built on the meta device) for the Blocks of `weights`
     (load_weights' quantized tensors), taking each out of `weights` as its module is made (so the
     blocks are held once: a joined group's or int4pack's layout replaces them); returns the dense tensors left for
     load_state_dict (the quantized linears' biases taken into their modules). A quantized weight
     of a module that is neither an nn.Linear nor an nn.Embedding (a family's own) is dequantized:
-    nothing is left unloaded."""
+    nothing is left unloaded. `tune`: for a tune's frozen base (quant_grad.py), each linear on its
+    own, on the scratch, whose blocks its input's gradient is taken through (joined_outputs runs a
+    group apart where a gradient flows back)."""
     quant = {k: weights.pop(k) for k in [k for k, v in weights.items() if isinstance(v, Blocks)]}
     rest = weights
     for parent_name, parent in list(model.named_modules()):
-        for names in getattr(parent, "joined", ()):
+        for names in () if tune else getattr(parent, "joined", ()):
             full = [f"{parent_name}.{n}" for n in names]
             if not all(f"{f}.weight" in quant and type(parent._modules[n]) is nn.Linear for f, n in zip(full, names)):
                 continue
@@ -46,7 +48,7 @@ def quantized_modules(model: nn.Module, weights: dict, dtype) -> dict:
         if isinstance(old, nn.Embedding):
             parent._modules[child] = QuantEmbedding(qt, dtype)
         elif type(old) is nn.Linear:
-            parent._modules[child] = QuantLinear(qt, rest.pop(f"{name}.bias", None), dtype)
+            parent._modules[child] = QuantLinear(qt, rest.pop(f"{name}.bias", None), dtype, "scratch" if tune else None)
         else:
             rest[key] = dequantized(qt, 0, qt.shape[0], qt.shape[1], torch.float32).to(dtype, copy=True)
     return rest

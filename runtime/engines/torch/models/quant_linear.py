@@ -36,6 +36,7 @@ from torch import nn
 
 from runtime.engines.torch.models.quant_blocks import (GROUP, INT4PACK_TYPES, blocks_of, dequantized, int4pack,
                                                        random_tensor, scratch_product)
+from runtime.engines.torch.models.quant_grad import QuantProduct, needs_grad
 
 KERNELS = ("int4pack", "scratch", "dense", "quantized")
 INT4PACK_ROWS = 16  # the int4pack layout packs output rows 16 at a time: other row counts take the scratch
@@ -74,13 +75,16 @@ class QuantLinear(nn.Module):
 
     def forward(self, x):
         flat = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.kernel == "int4pack":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, GROUP, self.scales_zeros)
-        else:
-            y = scratch_product(flat, self.blocks, self.out_features, self.in_features)
+        y = QuantProduct.apply(flat, self) if needs_grad(flat) else self.product(flat)  # a tune's: quant_grad.py
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def product(self, flat):
+        """flat (M, in) @ W^T on this layer's kernel, no gradient."""
+        if self.kernel == "int4pack":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, GROUP, self.scales_zeros)
+        return scratch_product(flat, self.blocks, self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.kind} on {self.kernel}"
@@ -122,7 +126,11 @@ class QuantEmbedding(nn.Module):
 
     def head(self, hidden):
         flat = hidden.reshape(-1, self.embedding_dim).to(self.dtype)
-        return scratch_product(flat, self.blocks, self.num_embeddings, self.embedding_dim).view(*hidden.shape[:-1], self.num_embeddings)
+        out = QuantProduct.apply(flat, self) if needs_grad(flat) else self.product(flat)  # a tune's: quant_grad.py
+        return out.view(*hidden.shape[:-1], self.num_embeddings)
+
+    def product(self, flat):
+        return scratch_product(flat, self.blocks, self.num_embeddings, self.embedding_dim)
 
 
 # ---- the kernel choice
