@@ -19,6 +19,7 @@ from runtime.engines.torch.models import quant_blocks
 from runtime.engines.torch.models.quant_blocks import dequantized, random_tensor
 from runtime.engines.torch.models.quant_linear import QuantEmbedding, QuantLinear
 from runtime.models.tiny import ensure_tiny
+from runtime.models.weights import tensor_shapes, weight_files
 
 ADAPTER_TOL = 1e-6
 TUNE = ["--steps", "4", "--batch", "2", "--lr", "1e-3", "--rank", "4", "--max-seq", "96", "--dtype", "float32",
@@ -122,3 +123,76 @@ def test_tune_on_a_quantized_base_is_the_dense_tunes(small_gguf, family, extra, 
     assert "; the base kept quantized" in start["message"]
     assert next(e for e in dense_events if e["event"] == "start")["base_quantized"] is False
     assert_same_adapter(adapter(tmp_path / "quant"), adapter(tmp_path / "dense"))
+
+
+# ---- SmolLM2 under a real memory limit (tests/support/cgroup.py)
+
+SMOL_TUNE = ["--steps", "20", "--batch", "2", "--lr", "1e-3", "--rank", "4", "--max-seq", "96", "--dtype", "float32",
+             "--ckpt-every", "5"]
+
+
+def torch_import_bytes() -> int:
+    """The resident size of an interpreter that has imported torch, measured."""
+    import subprocess
+    import sys
+
+    code = "import psutil, torch; print(psutil.Process().memory_info().rss)"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+@pytest.fixture(scope="module")
+def smol_reference(tmp_path_factory, tiny_home):
+    """The unlimited tune of SmolLM2's GGUF: on this machine the rule loads it dense."""
+    from tests.support.real_model import smollm2_gguf
+
+    d = tmp_path_factory.mktemp("smol")
+    env = {"SPILLPACK_HOME": str(d / "home"), "SPILLPACK_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    args = ["tune", str(smollm2_gguf()), "examples/data/train.jsonl", "--name", "smol", *SMOL_TUNE]
+    r = run_cli([*args, "--state", str(d / "unlimited")], env=env, timeout=900)
+    assert r.returncode == 0, r.stderr
+    start = next(e for e in events_of(r.stdout) if e["event"] == "start")
+    assert start["base_quantized"] is False, start  # the reference is the dense base's tune
+    dense = 4 * sum(int(np.prod(s)) for s in tensor_shapes(weight_files(smollm2_gguf())).values())
+    return {"args": args, "env": env, "adapter": adapter(d / "unlimited"), "dense_bytes": dense, "dir": d}
+
+
+@pytest.fixture
+def memory_limit(smol_reference):
+    """A cgroup whose limit is below torch's import plus SmolLM2's float32 weights."""
+    from tests.support.cgroup import MemoryLimit, limit_unavailable
+
+    if (why := limit_unavailable()) is not None:
+        pytest.skip(why)
+    below = torch_import_bytes() + smol_reference["dense_bytes"]
+    limit = MemoryLimit.make(below - 72 * 2**20)
+    print(f"limit {limit.limit / 2**20:.0f} MiB, below torch's import + the float32 weights {below / 2**20:.0f} MiB")
+    yield limit
+    limit.close()
+
+
+@pytest.mark.slow
+def test_tune_inside_a_memory_limit_is_the_unlimited_tune(smol_reference, memory_limit, tmp_path):
+    r = memory_limit.run([*smol_reference["args"], "--state", str(tmp_path / "limited")], env=smol_reference["env"], timeout=900)
+    assert r.returncode == 0 and memory_limit.oom_kills() == 0, (r.returncode, memory_limit.oom_kills(), r.stderr[-2000:])
+    start = next(e for e in events_of(r.stdout) if e["event"] == "start")
+    assert start["base_quantized"] is True and "cgroup memory limit" in start["message"], start
+    print(f"peak {memory_limit.peak_bytes() / 2**20:.0f} MiB of {memory_limit.limit / 2**20:.0f}")
+    assert_same_adapter(adapter(tmp_path / "limited"), smol_reference["adapter"])
+
+
+@pytest.mark.slow
+def test_sigterm_inside_a_memory_limit_exits_75_and_resumes_exactly(smol_reference, memory_limit, tmp_path):
+    args = [*smol_reference["args"], "--state", str(tmp_path / "limited")]
+    p = memory_limit.popen(args, env=smol_reference["env"])
+    stopped_at = None
+    for line in p.stdout:
+        e = json.loads(line)
+        if stopped_at is None and e["event"] == "checkpoint" and e["step"] >= 5:
+            p.send_signal(signal.SIGTERM)
+            stopped_at = e["step"]
+    assert p.wait(timeout=300) == 75, p.stderr.read()[-2000:]
+    r = memory_limit.run(args, env=smol_reference["env"], timeout=900)
+    assert r.returncode == 0 and memory_limit.oom_kills() == 0, (r.returncode, r.stderr[-2000:])
+    restore = next(e for e in events_of(r.stdout) if e["event"] == "restore")
+    assert stopped_at <= restore["step"] < 20
+    assert_same_adapter(adapter(tmp_path / "limited"), smol_reference["adapter"])
