@@ -138,7 +138,7 @@ class TorchTrainSession:
 
     def _build(self, model_dir, tensors: dict):
         """The frozen base with its LoRA wrappers, and the trainable parameters by name."""
-        quantized = self.engine.keeps_quantized(model_dir)  # QLoRA's shape: the base in its blocks (quant_grad.py)
+        quantized = self.engine.keeps_quantized(model_dir) and (self.engine.quantize or True)  # QLoRA's shape (quant_grad.py)
         model = load_model(model_dir, dtype=self.engine.base_dtype, device=self.engine.device, quantized=quantized, tune=quantized)
         freeze(model, self.engine)
         return model, apply_lora(model, tensors, self.spec, self.engine.device, self.keys)
@@ -314,7 +314,8 @@ class TorchEngine:
     `shape` the config of the model a row job generates with (its decode step may be measured)."""
 
     def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | str | None = None,
-                 width: int | None = None, why: str | None = None, training: bool = False, shape: dict | None = None):
+                 width: int | None = None, why: str | None = None, training: bool = False, shape: dict | None = None,
+                 quantize: str | None = None):
         self.name = name
         base_dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) else base_dtype
         self.device = torch.device(device if device is not None else ("cuda" if name == "torch-cuda" else "cpu"))
@@ -331,6 +332,7 @@ class TorchEngine:
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
         self._quantized: dict[str, tuple[bool, str | None]] = {}  # model path -> (kept quantized, why)
+        self.quantize = quantize  # --quantize's block type (runtime.models.quantize): float weights quantized at load
 
     def fit_threads(self) -> None:
         if self.device.type == "cpu":
@@ -355,11 +357,16 @@ class TorchEngine:
         from runtime.engines.torch.models.quant_linear import keeps_quantized
         from runtime.models.gguf.model import find_gguf, quantized_types
         from runtime.models.memory import base_params
+        from runtime.models.quantize import TYPES, refuse_gguf
 
         key = str(model_dir.path)
         if key not in self._quantized:
             path = find_gguf(model_dir.path) if self.device.type == "cpu" else None
-            if path is None or not quantized_types(path):
+            if self.quantize is not None:  # --quantize (runtime.models.quantize)
+                if path is not None:
+                    refuse_gguf(next(k for k, v in TYPES.items() if v == self.quantize), str(model_dir.path))
+                self._quantized[key] = (True, f"quantized at load to {self.quantize} blocks (--quantize)")
+            elif path is None or not quantized_types(path):
                 self._quantized[key] = (False, None)
             else:
                 dense = base_params(model_dir.config) * torch.empty((), dtype=self.base_dtype).element_size()
@@ -370,7 +377,7 @@ class TorchEngine:
         # A float32 CPU base's GEMMs run faster on weights laid out for them (layout.cpu_inference_layout).
         cpu_inference = self.device.type == "cpu" and self.base_dtype == torch.float32
         model = load_model(model_dir, dtype=self.base_dtype, device=self.device, cpu_inference=cpu_inference,
-                           quantized=self.keeps_quantized(model_dir))
+                           quantized=self.keeps_quantized(model_dir) and (self.quantize or True))
         if adapter is not None:
             tensors, spec = adapter
             apply_lora(model, tensors, spec, self.device)

@@ -14,6 +14,7 @@ import torch
 from runtime.base.heap import trim_heap
 from runtime.engines.torch.models.layout import cpu_inference_layout, join_linears
 from runtime.models.arch import architecture
+from runtime.models.quantize import quantizable, quantized as quantize_array
 from runtime.models.weights import check_weights, read_tensors, weight_files
 
 if TYPE_CHECKING:
@@ -33,8 +34,11 @@ def model_file(arch):
 def converted_tensors(files, dtype, device, rows=None, quantized: bool = False):
     """(name, tensor) in `dtype` on `device`, one at a time (read_tensors' `rows`: part of each).
     With `quantized`, a GGUF's quantized weights (runtime.models.gguf.tensors.QuantTensor) stay in
-    their blocks, as torch tensors (quant_linear.blocks_of), each made before the next is read."""
-    for name, kind, array in read_tensors(files, rows, quantized):
+    their blocks, as torch tensors (quant_linear.blocks_of), each made before the next is read; a
+    block type (runtime.models.quantize) quantizes a directory's float weights into it so."""
+    for name, kind, array in read_tensors(files, rows, bool(quantized)):
+        if isinstance(quantized, str) and isinstance(array, np.ndarray) and quantizable(name, array.shape):
+            array = quantize_array(array, kind, quantized)  # --quantize: a float weight into blocks of this type
         if not isinstance(array, np.ndarray):  # a QuantTensor
             from runtime.engines.torch.models.quant_blocks import blocks_of
 
