@@ -37,6 +37,7 @@ TABLE_RUNS = {  # the table's rows: JSON-reporting benchmarks
     "run tiny mixed, default threads": ["bench_run.py", "--model", "tiny", "--prompts", "128", "--stop", "mixed", "--rounds", "3"],
     "run smollm2 mixed, default threads": ["bench_run.py", "--model", "smollm2", "--prompts", "32", "--stop", "mixed", "--rounds", "3"],
     "shared cores": ["bench_shared.py", "--rounds", "1"],
+    "tune smollm2 quantized base": ["bench_qlora.py", "--steps", "6", "--rounds", "1", "--json"],
 }
 OTHER_RUNS = [
     ["bench_engines.py", "--steps", "3"],

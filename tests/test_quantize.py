@@ -129,16 +129,23 @@ def test_int8_logits_are_the_round_trips_in_float32(smol_dir):
 
 
 @pytest.mark.slow
-def test_int8_bfloat16_greedy_answers_are_float32s(smol_dir, tmp_path, home):
+def test_int8_bfloat16_greedy_answers_agree_with_float32_as_the_float_models_do(smol_dir, tmp_path, home):
+    """16 prompts, 32 greedy tokens: how many answers bfloat16 leaves identical to float32's, with
+    --quantize int8 and without. This model's float weights themselves keep only about half (8 of 16
+    measured: bfloat16's rounding moves a near tie within 32 tokens), so the promise held here is that
+    int8 keeps as many, within one; and float32 with int8 still answers the France prompt."""
     rows = rows_file(tmp_path / "rows.jsonl")
     got = {}
-    for dtype in ("float32", "bfloat16"):
-        out = tmp_path / f"{dtype}.jsonl"
-        r = run_cli(["run", str(smol_dir), str(rows), "--name", dtype, "--state", str(tmp_path / dtype), "--out", str(out),
-                     "--quantize", "int8", "--dtype", dtype, "--batch", "16"], timeout=900)
-        assert r.returncode == 0, r.stderr
-        got[dtype] = answers(out)
-    same = sum(a == b for a, b in zip(got["float32"], got["bfloat16"]))
-    print(f"bfloat16 greedy answers identical to float32 on {same} of 16")
-    assert "Paris" in got["float32"][0]
-    assert same >= 15, list(zip(got["float32"], got["bfloat16"]))
+    for quantize in ([], ["--quantize", "int8"]):
+        for dtype in ("float32", "bfloat16"):
+            name = f"{dtype}{'-int8' if quantize else ''}"
+            out = tmp_path / f"{name}.jsonl"
+            r = run_cli(["run", str(smol_dir), str(rows), "--name", name, "--state", str(tmp_path / name), "--out", str(out),
+                         "--dtype", dtype, "--batch", "16", *quantize], timeout=900)
+            assert r.returncode == 0, r.stderr
+            got[name] = answers(out)
+    same = lambda a, b: sum(x == y for x, y in zip(got[a], got[b]))
+    dense, int8 = same("float32", "bfloat16"), same("float32-int8", "bfloat16-int8")
+    print(f"bfloat16 greedy answers identical to float32's: {dense} of 16 dense, {int8} of 16 with --quantize int8")
+    assert "Paris" in got["float32-int8"][0]
+    assert int8 >= dense - 1, (dense, int8)
