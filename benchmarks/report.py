@@ -37,6 +37,9 @@ METHOD = """\
   CPU held by a busy loop (a node shared with another job).
 - `bench_llamacpp.py`: `spillpack run` against llama-cpp-python (built from its sdist on first
   use) on the same GGUF file and the same prompt token ids, same thread count.
+- `bench_qlora.py`: `spillpack tune` on SmolLM2-135M's Q4_1 GGUF with its frozen base kept in
+  the quantized blocks against the same tune with the base dequantized at load
+  (`SPILLPACK_QUANT_GEMM`), each its own process, alternating; both write the same adapter.
 - Other benchmarks in `benchmarks/` (engines, pack, S3, shards, memory, validation, grammar,
   adapters, sharded tune) print their own tables; their docstrings say how.
 - Threads are each side's `--threads` (or its default where the command says so). A load average
