@@ -196,3 +196,27 @@ def test_sigterm_inside_a_memory_limit_exits_75_and_resumes_exactly(smol_referen
     restore = next(e for e in events_of(r.stdout) if e["event"] == "restore")
     assert stopped_at <= restore["step"] < 20
     assert_same_adapter(adapter(tmp_path / "limited"), smol_reference["adapter"])
+
+
+@pytest.fixture(scope="module")
+def dense_llama(small_gguf, tmp_path_factory, tiny_home):
+    state = tmp_path_factory.mktemp("dense-llama")
+    tune(small_gguf("llama"), state, tiny_home, "dense")
+    return adapter(state)
+
+
+def test_a_resumed_tune_on_a_quantized_base_is_the_dense_tunes(small_gguf, dense_llama, tmp_path, tiny_home):
+    state = tmp_path / "quant"
+    events = tune(small_gguf("llama"), state, tiny_home, "quantized", "--stop-after", "2")
+    assert [e["event"] for e in events].count("step") == 2
+    events = tune(small_gguf("llama"), state, tiny_home, "quantized")
+    assert next(e for e in events if e["event"] == "restore")["step"] == 2
+    assert_same_adapter(adapter(state), dense_llama)
+
+
+def test_data_parallel_ranks_on_a_quantized_base_are_the_dense_ranks(small_gguf, tmp_path, tiny_home):
+    # Two ranks sum their gradients in another order than one process: held to two dense ranks.
+    for kernel in ("dense", "quantized"):
+        events = tune(small_gguf("llama"), tmp_path / kernel, tiny_home, kernel, "--nproc", "2")
+        assert next(e for e in events if e["event"] == "start")["base_quantized"] is (kernel == "quantized")
+    assert_same_adapter(adapter(tmp_path / "quantized"), adapter(tmp_path / "dense"))
