@@ -41,6 +41,9 @@ METHOD = """\
   spread round-robin) against the same rows on one adapter in the same process, and one `run`
   job end to end (process start to exit) against a job per adapter run one after the other;
   `--baseline` repeats the one-adapter pass on another checkout's code.
+- `bench_qlora.py`: `spillpack tune` on SmolLM2-135M's Q4_1 GGUF with its frozen base kept in
+  the quantized blocks against the same tune with the base dequantized at load
+  (`SPILLPACK_QUANT_GEMM`), each its own process, alternating; both write the same adapter.
 - Other benchmarks in `benchmarks/` (engines, pack, S3, shards, memory, validation, grammar,
   sharded tune) print their own tables; their docstrings say how.
 - Threads are each side's `--threads` (or its default where the command says so). A load average

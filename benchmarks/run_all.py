@@ -40,6 +40,7 @@ TABLE_RUNS = {  # the table's rows: JSON-reporting benchmarks
     # four rank-16 adapters over 128 rows in one batch, against one adapter and against four jobs
     "adapters smollm2": ["bench_adapters.py", "--rows", "128", "--adapters", "4", "--rank", "16", "--max-tokens", "16",
                          "--batch", "16", "--rounds", "1"],
+    "tune smollm2 quantized base": ["bench_qlora.py", "--steps", "6", "--rounds", "1", "--json"],
 }
 OTHER_RUNS = [
     ["bench_engines.py", "--steps", "3"],

@@ -178,6 +178,11 @@ SHARED = (
     Opt("debug", False, flag=True, in_config=False, help="show tracebacks"),
 )
 
+# --quantize (runtime/models/quantize.py): part of the job, its outputs differ
+QUANTIZE = Opt("quantize", None, choices=("int8", "int4"), metavar="int8|int4",
+               help="quantize a Hugging Face directory's float weights at load, weights only (int8: Q8_0, int4: Q4_1 "
+                    "blocks of 32), and keep them so on torch-cpu")
+
 TUNE = (
     Opt("model", positional=True, help="a model directory, a tag such as qwen2.5:0.5b, or tiny"),
     Opt("data", positional=True, help="training data: JSONL of {messages} or {prompt, completion} rows"),
@@ -194,6 +199,7 @@ TUNE = (
     Opt("weight_decay", 0.0, float, help="AdamW weight decay", min=0),
     Opt("batch", 4, int, help="sequences per micro-batch (may be split to fit memory; --batch x --grad-accum is kept)", min=1),
     Opt("grad_accum", 1, int, help="micro-batches per optimizer step", min=1),
+    QUANTIZE,
     Opt("grad_checkpoint", "auto", choices=GRAD_CHECKPOINT, per_run=True,
         help="recompute each decoder layer's activations in backward instead of keeping them; auto: only when the plan needs it"),
     Opt("max_mem_gb", None, float, per_run=True, above=0, metavar="N",
@@ -233,6 +239,7 @@ SHARDING = (
 )
 
 _ROW_COMMON = (
+    QUANTIZE,
     Opt("adapter", None, repeat=True, metavar="[NAME=]SRC",
         help="a LoRA adapter to answer with (a PEFT or mlx-lm adapter directory or a tune's state: path or s3://); "
              "NAME=SRC, repeatable, serves many in one batch, each row choosing by its body.model (the base by the model's name; "

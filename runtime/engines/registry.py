@@ -60,12 +60,16 @@ def dtype_fields(engine) -> dict:
 
 
 def get_engine(name: str, dtype: str | None = None, width: int | None = None, kept: str | None = None,
-               training: bool = False, shape: dict | None = None, **kw):
+               training: bool = False, shape: dict | None = None, quantize: str | None = None, **kw):
     """`dtype`: --dtype, the frozen base's ("auto" or None: base_dtype above); `width`: the
     model's hidden size; `kept`: the dtype this job ran on this engine before; `training`: the
     engine is a tune's (a CPU's policy may differ); `shape`: the config of the model a row job
-    generates with. kw: the torch engine's device and base_dtype
-    (tests and benchmarks run CUDA's arithmetic on a CPU)."""
+    generates with; `quantize`: --quantize (runtime.models.quantize, torch-cpu only). kw: the torch
+    engine's device and base_dtype (tests and benchmarks run CUDA's arithmetic on a CPU)."""
+    from runtime.models.quantize import block_type
+
+    if (block := block_type(quantize, name)) is not None:
+        kw["quantize"] = block
     asked, why = base_dtype(dtype, kept) if "base_dtype" not in kw else (None, None)
     if name in ("torch-cpu", "torch-cuda"):
         from runtime.engines.torch.engine import TorchEngine

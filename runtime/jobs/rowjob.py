@@ -26,6 +26,7 @@ from runtime.base.signals import Abandon
 from runtime.base.fileio import sha256_bytes
 from runtime.engines.generation import Request
 from runtime.engines.registry import base_dtype, dtype_fields
+from runtime.models.quantize import refuse_gguf
 from runtime.jobs import adapters as adapters_of, estimate, shards
 from runtime.jobs.sizing import plan_rows
 from runtime.models.ref import resolve_model
@@ -90,6 +91,8 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
     if len(bad) == len(rows):
         raise SpillpackError(f"every row of {input_uri} failed; line {bad[0].line}: {bad[0].error}", f"sed -n {bad[0].line}p {input_uri}")
 
+    if o.get("quantize") and model_dir.is_gguf:  # before anything is written to the state
+        refuse_gguf(o["quantize"], a[task.model_arg])
     identity = {
         "command": task.command,
         "model": model_dir.fingerprint(),
@@ -97,6 +100,7 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
         "input_sha256": sha256_bytes(raw),
         **{k: o[k] for k in ("max_tokens", "temperature", "top_p", "seed")},
         **(task.identity or {}),
+        **({"quantize": o["quantize"]} if o.get("quantize") else {}),  # only then: request ids of a float job unchanged
     }
     # Request ids hash the job without its shard count: a sharded run's file equals an unsharded one's.
     job_key = sha256_bytes(orjson.dumps(identity, option=orjson.OPT_SORT_KEYS))
@@ -138,7 +142,8 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     generating = work.todo and (o.get("stop_after") is None or work.done < o["stop_after"])
     # The engine first, as a tune's: its dtype and what the process holds with torch imported
     # size the memory plan. Importing torch is never abandoned midway, a stop waits for it.
-    engine = (job.open_engine(dtype=o.get("dtype"), width=model_dir.config.get("hidden_size"), shape=model_dir.config)
+    engine = (job.open_engine(dtype=o.get("dtype"), width=model_dir.config.get("hidden_size"), shape=model_dir.config,
+                              quantize=o.get("quantize"))
               if generating else None)
     plan = plan_rows(job.engine_name, engine, model_dir, work.todo, o["batch"]) if generating else None
     kept = getattr(engine, "quantized_why", lambda _: (False, None))(model_dir)[1] if generating else None

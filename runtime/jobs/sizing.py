@@ -47,6 +47,20 @@ def dtype_bytes(engine) -> int:
     return int(getattr(dtype, "itemsize", None) or dtype.size)
 
 
+def resident(engine, model_dir) -> tuple[int, dict]:
+    """(bytes the weights hold in their quantized blocks, the rest dense; quantized type -> how
+    many tensors): a quantized GGUF's, or a directory's quantized at load (--quantize)."""
+    if getattr(engine, "quantize", None) is not None and not model_dir.is_gguf:
+        from runtime.models.quantize import resident_bytes
+
+        held, count = resident_bytes(tensor_shapes(weight_files(model_dir.path)), engine.quantize, dtype_bytes(engine))
+        return held, {engine.quantize: count}
+    from runtime.models.gguf.model import quantized_types, resident_bytes
+
+    head = engine.dense_head(model_dir)
+    return resident_bytes(model_dir.path, dtype_bytes(engine), head), quantized_types(model_dir.path, head)
+
+
 def plan_tune(engine_name: str, engine, model_dir, spec, data, order, total: int, o: dict, shards: int = 1) -> Plan:
     """The plan one rank runs under, or NoFit (one line naming what would fit). `shards`: the
     ranks the base is split across (runtime/engines/torch/shard.py). A host's memory is shared
@@ -58,6 +72,8 @@ def plan_tune(engine_name: str, engine, model_dir, spec, data, order, total: int
         available, source = available / local, f"{source} / {local} ranks"
     runtime_gb = CUDA_CONTEXT_GB if engine_name == "torch-cuda" else held + STEP_RUNTIME_GB
     params = sum(math.prod(shape) for shape in tensor_shapes(weight_files(model_dir.path)).values())
+    if shards == 1 and getattr(engine, "keeps_quantized", lambda _: False)(model_dir):  # the frozen base in its blocks
+        params = -(-resident(engine, model_dir)[0] // dtype_bytes(engine))  # as dense parameters' bytes
     return fit(model_dir.config, spec.targets, spec.rank, dtype_bytes(engine), lambda m: job_batches(data, order, total, m),
                o["batch"], o["grad_accum"], mode, available, source, runtime_gb, params, o["max_seq"], spec.dropout > 0,
                shards)
@@ -95,6 +111,8 @@ def plan_shards(engine_name: str, engine, model_dir, spec, data, order, total: i
         shards, why = 1, ("--shard-base off" if mode == "off" else "--shard-base auto: one process") + ", the whole base on each rank"
         plan = plan_at(shards)
     plan.shards, plan.shard_why = shards, why
+    if shards == 1:  # a split base is dense (shard.py); a whole one quantized by the rule run follows (plan_tune)
+        plan.quantized, plan.quantized_why = getattr(engine, "quantized_why", lambda _: (False, None))(model_dir)
     return plan
 
 
@@ -109,10 +127,6 @@ def plan_rows(engine_name: str, engine, model_dir, todo, batch: int) -> Generati
     longest = max(len(r.prompt_ids) for r in todo)
     weights_bytes = quantized = None
     if getattr(engine, "keeps_quantized", lambda _: False)(model_dir):  # a GGUF's quantized weights stay in their blocks
-        from runtime.models.gguf.model import quantized_types, resident_bytes
-
-        head = engine.dense_head(model_dir)
-        weights_bytes = resident_bytes(model_dir.path, dtype_bytes(engine), head)
-        quantized = quantized_types(model_dir.path, head)
+        weights_bytes, quantized = resident(engine, model_dir)
     return generation_plan(model_dir.config, dtype_bytes(engine), slots, max_len, longest, runtime_gb, params,
                            weights_bytes, quantized)

@@ -87,7 +87,7 @@ def prepare(inv):
     order = BatchOrder([len(e.ids) for e in data.examples], o["batch"], o["grad_accum"], o["seed"])
     total = order.steps_for(o.get("steps"), o.get("epochs"))
     engine_name, reason = choose_engine(o.get("engine"))
-    engine = get_engine(engine_name, o.get("dtype"), width=model_dir.config.get("hidden_size"), training=True)
+    engine = get_engine(engine_name, o.get("dtype"), width=model_dir.config.get("hidden_size"), training=True, quantize=o.get("quantize"))
     engine_rate(engine_name, engine.describe()["dtype"])  # measured (once per machine) before the engine counts its peak memory
     # Sized before the state is opened: a job refused here leaves no state behind that would
     # refuse the corrected command (a shorter --max-seq is another job).
@@ -122,7 +122,7 @@ def main(inv, events) -> Outcome:
         "steps": total,
         "effective_batch": o["batch"] * o["grad_accum"],  # the micro-batch size is not the job: a plan may split it
         **{k: o[k] for k in ("rank", "alpha", "targets", "dropout", "lr", "schedule", "warmup", "weight_decay",
-                             "max_seq", "seed")},
+                             "max_seq", "seed", "quantize")},
     }
     if init is not None:  # the adapter it starts from is part of the job (its tensors' hash)
         identity["init_adapter"] = init.sha256
@@ -132,7 +132,8 @@ def main(inv, events) -> Outcome:
     with Job.open(inv, identity, events, upgrade=upgrade_identity) as job:
         if job.engine_dtype(o.get("dtype"))[0] not in (None, engine.describe()["dtype"]):
             # A resume of a job begun on another dtype than the policy picks now: it keeps its own.
-            engine = get_engine(job.engine_name, o.get("dtype"), width=model_dir.config.get("hidden_size"), kept=job.kept_dtype, training=True)
+            engine = get_engine(job.engine_name, o.get("dtype"), width=model_dir.config.get("hidden_size"), kept=job.kept_dtype, training=True,
+                                quantize=o.get("quantize"))
             plan = plan_shards(job.engine_name, engine, model_dir, spec, data, order, total, o)
         if job.writer:
             job.state.log("plan", **plan.to_dict())
@@ -177,7 +178,7 @@ def main(inv, events) -> Outcome:
                     state=job.state_uri, estimated_seconds=est, steps=total, **start_fields(job.engine_name, cpus().count), **dtype_fields(engine), rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
                     estimated_peak_gb=round(plan.estimate.peak_gb, 3), memory_gb=round(plan.available_gb, 3),
                     memory_from=plan.available_from, micro_batch=plan.micro_batch, grad_checkpoint=plan.grad_checkpoint,
-                    shard_base=plan.shards > 1, shard_reason=plan.shard_why,
+                    shard_base=plan.shards > 1, shard_reason=plan.shard_why, base_quantized=plan.quantized, weights_why=plan.quantized_why,
                     message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "
                             f"({len(data.examples)} examples, {data.dropped_long} longer than --max-seq dropped) on {job.engine_name}, "
                             f"about {_fmt(est)}; {plan.describe()}; state at {job.state_uri}")

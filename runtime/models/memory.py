@@ -98,6 +98,8 @@ class Plan:
     tried: list = field(default_factory=list)
     shards: int = 1  # ranks the base is split across (tune --shard-base)
     shard_why: str = ""  # why it is, or is not
+    quantized: bool = False  # the frozen base kept in its quantized blocks (a GGUF's, QLoRA's shape)
+    quantized_why: str | None = None  # why it is, or is not (None: not a quantized file)
 
     @property
     def split(self) -> bool:
@@ -114,14 +116,15 @@ class Plan:
                  if self.split else f"micro-batch {self.micro_batch} x {self.accum}")
         if self.shards > 1:
             ckpt += f", the base split across {self.shards} ranks"
+        base = f"; the base {self.quantized_why}" if self.quantized else ""
         return (f"{split}, {ckpt}: about {self.estimate.peak_gb:.1f} GB at the longest micro-batch "
-                f"({self.longest.rows} x {self.longest.seq} tokens) of {self.available_gb:.1f} GB ({self.available_from})")
+                f"({self.longest.rows} x {self.longest.seq} tokens) of {self.available_gb:.1f} GB ({self.available_from}){base}")
 
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "grad_accum": self.accum, "grad_checkpoint": self.grad_checkpoint,
                 "estimated_peak_gb": round(self.estimate.peak_gb, 3), "available_gb": round(self.available_gb, 3),
                 "available_from": self.available_from, "longest": [self.longest.rows, self.longest.seq, self.longest.targets],
-                "shards": self.shards,
+                "shards": self.shards, "base_quantized": self.quantized,
                 **self.estimate.parts()}
 
     def candidates(self) -> list[dict]:

@@ -138,7 +138,8 @@ class TorchTrainSession:
 
     def _build(self, model_dir, tensors: dict):
         """The frozen base with its LoRA wrappers, and the trainable parameters by name."""
-        model = load_model(model_dir, dtype=self.engine.base_dtype, device=self.engine.device)
+        quantized = self.engine.keeps_quantized(model_dir) and (self.engine.quantize or True)  # QLoRA's shape (quant_grad.py)
+        model = load_model(model_dir, dtype=self.engine.base_dtype, device=self.engine.device, quantized=quantized, tune=quantized)
         freeze(model, self.engine)
         return model, apply_lora(model, tensors, self.spec, self.engine.device, self.keys)
 
@@ -313,7 +314,8 @@ class TorchEngine:
     `shape` the config of the model a row job generates with (its decode step may be measured)."""
 
     def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | str | None = None,
-                 width: int | None = None, why: str | None = None, training: bool = False, shape: dict | None = None):
+                 width: int | None = None, why: str | None = None, training: bool = False, shape: dict | None = None,
+                 quantize: str | None = None):
         self.name = name
         base_dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) else base_dtype
         self.device = torch.device(device if device is not None else ("cuda" if name == "torch-cuda" else "cpu"))
@@ -329,7 +331,9 @@ class TorchEngine:
                 self.precision = generation_precision(self.precision, shape)
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
-        self._quantized: dict[str, tuple[bool, str | None]] = {}  # model path -> (kept quantized, why)
+        self._quantized: dict[str, tuple[bool, str | None, bool]] = {}  # model path -> (kept quantized, why, dense head)
+        self.training = training
+        self.quantize = quantize  # --quantize's block type (runtime.models.quantize): float weights quantized at load
 
     def fit_threads(self) -> None:
         if self.device.type == "cpu":
@@ -357,32 +361,19 @@ class TorchEngine:
         return self._quantized_load(model_dir)[2]
 
     def _quantized_load(self, model_dir) -> tuple[bool, str | None, bool]:
-        from runtime.engines.hardware import memory_for
-        from runtime.engines.torch.models.quant_linear import dense_head, fast_kernel, keeps_quantized
-        from runtime.models.gguf.model import find_gguf, quantized_types, resident_bytes
-        from runtime.models.memory import base_params
+        from runtime.engines.torch.quant_load import decide
 
         key = str(model_dir.path)
         if key not in self._quantized:
-            path = find_gguf(model_dir.path) if self.device.type == "cpu" else None
-            if path is None or not quantized_types(path):
-                self._quantized[key] = (False, None, False)
-            else:
-                size = torch.empty((), dtype=self.base_dtype).element_size()
-                memory = memory_for(self.name)[0] * 2**30
-                head, head_why = dense_head(resident_bytes(path, size, dense_head=True), memory)
-                c = model_dir.config
-                fast = fast_kernel(quantized_types(path, head), c.get("intermediate_size") or c.get("moe_intermediate_size")
-                                   or c["hidden_size"], c["hidden_size"], self.base_dtype)
-                keeps, why = keeps_quantized(base_params(c) * size, memory, fast)
-                self._quantized[key] = (keeps, f"{why}; {head_why}" if keeps else why, keeps and head)
+            self._quantized[key] = decide(self, model_dir)
         return self._quantized[key]
 
     def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | list[tuple[dict, LoraSpec]] | None = None):
         # A float32 CPU base's GEMMs run faster on weights laid out for them (layout.cpu_inference_layout).
         cpu_inference = self.device.type == "cpu" and self.base_dtype == torch.float32
         model = load_model(model_dir, dtype=self.base_dtype, device=self.device, cpu_inference=cpu_inference,
-                           quantized=self.keeps_quantized(model_dir), dense_head=self.dense_head(model_dir))
+                           quantized=self.keeps_quantized(model_dir) and (self.quantize or True),
+                           dense_head=self.dense_head(model_dir))
         if isinstance(adapter, list):  # many adapters in one batch: each request names its own (multi_lora.py)
             from runtime.engines.torch.multi_lora import apply_adapters
 

@@ -14,6 +14,7 @@ import torch
 from runtime.base.heap import trim_heap
 from runtime.engines.torch.models.layout import cpu_inference_layout, join_linears
 from runtime.models.arch import architecture
+from runtime.models.quantize import quantizable, quantized as quantize_array
 from runtime.models.weights import check_weights, read_tensors, weight_files
 
 if TYPE_CHECKING:
@@ -33,8 +34,11 @@ def model_file(arch):
 def converted_tensors(files, dtype, device, rows=None, quantized: bool = False):
     """(name, tensor) in `dtype` on `device`, one at a time (read_tensors' `rows`: part of each).
     With `quantized`, a GGUF's quantized weights (runtime.models.gguf.tensors.QuantTensor) stay in
-    their blocks, as torch tensors (quant_linear.blocks_of), each made before the next is read."""
-    for name, kind, array in read_tensors(files, rows, quantized):
+    their blocks, as torch tensors (quant_linear.blocks_of), each made before the next is read; a
+    block type (runtime.models.quantize) quantizes a directory's float weights into it so."""
+    for name, kind, array in read_tensors(files, rows, bool(quantized)):
+        if isinstance(quantized, str) and isinstance(array, np.ndarray) and quantizable(name, array.shape):
+            array = quantize_array(array, kind, quantized)  # --quantize: a float weight into blocks of this type
         if not isinstance(array, np.ndarray):  # a QuantTensor
             from runtime.engines.torch.models.quant_blocks import blocks_of
 
@@ -59,12 +63,12 @@ def load_checkpoint(model_dir: "ModelDir", dtype=torch.float32, device="cpu") ->
 
 
 def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", cpu_inference: bool = False,
-               quantized: bool = False, dense_head: bool = False):
+               quantized: bool = False, dense_head: bool = False, tune: bool = False):
     """Build the architecture named by config.json and load its weights strictly; `cpu_inference`:
     the weights laid out for a float32 CPU base's generation and evaluation (layout.cpu_inference_layout),
     which no gradient may reach; `quantized` (inference on a CPU): a GGUF's quantized weights kept
     in their blocks (quant_linear.py), never dequantized whole (but the head's weight, with
-    `dense_head`: quant_layout.quantized_modules)."""
+    `dense_head`); with `tune`, laid out for a tune's frozen base (quant_layout.quantized_modules)."""
     arch = architecture(model_dir.config, str(model_dir.path / "config.json"))
     args = arch.args.from_dict(model_dir.config)
     # Build on the meta device: no time or memory spent on a random init that is overwritten.
@@ -77,7 +81,7 @@ def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", cpu_inf
     if quantized:
         from runtime.engines.torch.models.quant_layout import quantized_modules
 
-        weights = quantized_modules(model, weights, dtype, dense_head)
+        weights = quantized_modules(model, weights, dtype, dense_head, tune)
     model.load_state_dict(weights, strict=True, assign=True)
     del weights
     if cpu_inference:

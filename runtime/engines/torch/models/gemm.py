@@ -95,19 +95,43 @@ class PackedLinear(nn.Linear):
         return gemm(x, self.packed, self.bias)
 
 
+def frozen_product(x, weight, bias=None):
+    """x W^T + b on oneDNN, reading a dense W as it lies (a tune's frozen linear, or a chunk of a
+    quantized one's rows: oneDNN's output columns come out the same, bit for bit, in chunks)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+def input_grad(grad, rows_of, rows: int, cols: int):
+    """grad (..., rows) @ W (rows, cols) for a frozen W, on MKL, a chunk of rows at a time:
+    `rows_of(lo, hi)` gives W[lo:hi] (a dense weight's slice, or a quantized weight's rows
+    dequantized into the scratch: quant_grad.py). One sum order for both, so a tune on a quantized
+    base takes the dequantized dense base's gradient bit for bit; a weight of one chunk's rows is
+    one product."""
+    from runtime.engines.torch.models.quant_blocks import chunk_rows
+
+    flat = grad.reshape(-1, rows)
+    step = chunk_rows(cols, grad.dtype)
+    out = None
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        part = flat if hi - lo == rows else flat[:, lo:hi]
+        out = torch.mm(part, rows_of(lo, hi)) if out is None else out.addmm_(part, rows_of(lo, hi))
+    return out.view(*grad.shape[:-1], cols)
+
+
 class _FrozenLinear(torch.autograd.Function):
     """x W^T + b for a W and b no gradient reaches: forward on oneDNN reading W as it lies, the
-    input's gradient g W on MKL. Only W is kept for backward (no weight gradient needs x)."""
+    input's gradient g W on MKL (input_grad). Only W is kept for backward (no weight gradient needs x)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(weight)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+        return frozen_product(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
-        return grad @ weight, None, None
+        return input_grad(grad, lambda lo, hi: weight[lo:hi], *weight.shape), None, None
 
 
 class FrozenLinear(nn.Linear):

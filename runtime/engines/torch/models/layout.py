@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.base.heap import trim_heap
-from runtime.engines.torch.models.gemm import BlasLinear, FrozenLinear, PackedLinear, gemm, onednn_linear, pack
+from runtime.engines.torch.models.gemm import BlasLinear, FrozenLinear, PackedLinear, frozen_product, gemm, onednn_linear, pack
 from runtime.engines.torch.models.small_gemm import blas_is_faster
 
 
@@ -91,15 +91,25 @@ def cpu_inference_layout(model: nn.Module) -> None:
 def cpu_training_layout(model: nn.Module) -> None:
     """A tune's frozen linears of PACK_MIN_WEIGHTS or more, on a float32 CPU base, as FrozenLinear:
     forward on oneDNN over the dense weight (no copy), the input's gradient on MKL; a large tied
-    head so too (gemm.head's "frozen")."""
+    head so too (gemm.head's "frozen"). A quantized base's products on the same kernels, so its
+    tune is the dense base's bit for bit (quant_grad.py)."""
     if not onednn_linear():
         return
+    grouped = {id(base_linear(getattr(mod, n))) for mod in model.modules() for names in getattr(mod, "joined", ()) for n in names}
     for m in model.modules():
         if type(m) is nn.Linear and not m.weight.requires_grad and m.weight.numel() >= PACK_MIN_WEIGHTS:
             m.__class__ = FrozenLinear
-    embed = model.model.embed_tokens.weight
-    if getattr(model, "lm_head", True) is None and not embed.requires_grad and embed.numel() >= PACK_MIN_WEIGHTS:
+        elif hasattr(m, "grad_linear") and m.weight.numel() >= PACK_MIN_WEIGHTS:
+            # A quantized linear (quant_linear.py): its chunks on the kernel the dense one would take,
+            # FrozenLinear's; a joined group's on MKL where no gradient flows, as joined_outputs' one GEMM.
+            m.grad_linear = frozen_product
+            if id(m) not in grouped:
+                m.chunk_linear = frozen_product
+    embed = model.model.embed_tokens
+    if getattr(model, "lm_head", True) is None and not embed.weight.requires_grad and embed.weight.numel() >= PACK_MIN_WEIGHTS:
         model.head_kernel = "frozen"
+        if hasattr(embed, "grad_linear"):  # a quantized embedding's head, so too
+            embed.chunk_linear = embed.grad_linear = frozen_product
 
 
 # joined_linears' key for a joined weight laid out for inference (packed, or a numpy view for BLAS):

@@ -183,15 +183,16 @@ def dense_copy(blocks, rows: int, cols: int, dtype) -> torch.Tensor:
     return out
 
 
-def scratch_product(x: torch.Tensor, blocks, rows: int, cols: int) -> torch.Tensor:
-    """x (M, cols) @ W^T for W (rows, cols) in `blocks`, dequantized a chunk of rows at a time."""
+def scratch_product(x: torch.Tensor, blocks, rows: int, cols: int, linear=F.linear) -> torch.Tensor:
+    """x (M, cols) @ W^T for W (rows, cols) in `blocks`, dequantized a chunk of rows at a time;
+    `linear(x, chunk)` multiplies each (a tune's float32 CPU base: gemm.frozen_product)."""
     step = chunk_rows(cols, x.dtype)
     if rows <= step:
-        return F.linear(x, dequantized(blocks, 0, rows, cols, x.dtype))
+        return linear(x, dequantized(blocks, 0, rows, cols, x.dtype))
     out = torch.empty(x.shape[0], rows, dtype=x.dtype)
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        out[:, lo:hi] = F.linear(x, dequantized(blocks, lo, hi, cols, x.dtype))
+        out[:, lo:hi] = linear(x, dequantized(blocks, lo, hi, cols, x.dtype))
     return out
 
 

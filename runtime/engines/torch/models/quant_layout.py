@@ -21,7 +21,7 @@ def head_key(weights) -> str:
     return next(k for k in HEAD_KEYS if k in weights)
 
 
-def quantized_modules(model: nn.Module, weights: dict, dtype, dense_head: bool = False) -> dict:
+def quantized_modules(model: nn.Module, weights: dict, dtype, dense_head: bool = False, tune: bool = False) -> dict:
     """Put the quantized modules in `model` (built on the meta device) for the Blocks of `weights`
     (load_weights' quantized tensors), taking each out of `weights` as its module is made (so the
     blocks are held once: a joined group's or int4pack's layout replaces them); returns the dense tensors left for
@@ -30,14 +30,16 @@ def quantized_modules(model: nn.Module, weights: dict, dtype, dense_head: bool =
     nothing is left unloaded. With `dense_head` the head's weight is dequantized (head_key): the
     logits' product runs over every row of the vocabulary at every step, where the scratch's
     dequantization costs several times the product (SmolLM2's Q8_0 49152 x 576 head, bfloat16,
-    32 rows: 93-107 ms a step against 15-22 ms dense)."""
+    32 rows: 93-107 ms a step against 15-22 ms dense). `tune`: for a tune's frozen base
+    (quant_grad.py), each linear on its own, on the scratch, whose blocks its input's gradient is
+    taken through (joined_outputs runs a group apart where a gradient flows back)."""
     if dense_head and isinstance(weights.get(key := head_key(weights)), Blocks):
         qt = weights[key]
         weights[key] = dense_copy(qt, *qt.shape, dtype)
     quant = {k: weights.pop(k) for k in [k for k, v in weights.items() if isinstance(v, Blocks)]}
     rest = weights
     for parent_name, parent in list(model.named_modules()):
-        for names in getattr(parent, "joined", ()):
+        for names in () if tune else getattr(parent, "joined", ()):
             full = [f"{parent_name}.{n}" for n in names]
             if not all(f"{f}.weight" in quant and type(parent._modules[n]) is nn.Linear for f, n in zip(full, names)):
                 continue
@@ -60,7 +62,7 @@ def quantized_modules(model: nn.Module, weights: dict, dtype, dense_head: bool =
         if isinstance(old, nn.Embedding):
             parent._modules[child] = QuantEmbedding(qt, dtype)
         elif type(old) is nn.Linear:
-            parent._modules[child] = QuantLinear(qt, rest.pop(f"{name}.bias", None), dtype)
+            parent._modules[child] = QuantLinear(qt, rest.pop(f"{name}.bias", None), dtype, "scratch" if tune else None)
         else:
             rest[key] = dense_copy(qt, *qt.shape, dtype)
     return rest

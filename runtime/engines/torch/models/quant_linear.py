@@ -35,10 +35,12 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runtime.engines.torch.models.quant_blocks import (GROUP, INT4PACK_TYPES, blocks_of, dequantized, int4pack,
                                                        random_tensor, scratch_product)
+from runtime.engines.torch.models.quant_grad import QuantProduct, needs_grad
 
 KERNELS = ("int4pack", "scratch", "dense", "quantized")
 INT4PACK_ROWS = 16  # the int4pack layout packs output rows 16 at a time: other row counts take the scratch
@@ -53,7 +55,11 @@ ENV = "SPILLPACK_QUANT_GEMM"
 class QuantLinear(nn.Module):
     """An inference linear over a quantized weight (no gradient reaches it). `weight` is a meta
     tensor of the weight's shape and dtype: what it would be dense, for code that asks; any use
-    of it as numbers fails loudly. The bias, if any, is dense."""
+    of it as numbers fails loudly. The bias, if any, is dense. `chunk_linear`: what multiplies each
+    chunk of the scratch, `grad_linear` where a gradient flows back (a tune's layout may set them:
+    layout.cpu_training_layout)."""
+
+    chunk_linear = grad_linear = staticmethod(F.linear)
 
     def __init__(self, qt, bias: torch.Tensor | None, dtype, kernel: str | None = None):
         """`qt`: a QuantTensor, or its Blocks."""
@@ -77,13 +83,16 @@ class QuantLinear(nn.Module):
 
     def forward(self, x):
         flat = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.kernel == "int4pack":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, GROUP, self.scales_zeros)
-        else:
-            y = scratch_product(flat, self.blocks, self.out_features, self.in_features)
+        y = QuantProduct.apply(flat, self) if needs_grad(flat) else self.product(flat)  # a tune's: quant_grad.py
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def product(self, flat, linear=None):
+        """flat (M, in) @ W^T on this layer's kernel, no gradient (`linear`: the scratch's chunks' instead of chunk_linear)."""
+        if self.kernel == "int4pack":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, GROUP, self.scales_zeros)
+        return scratch_product(flat, self.blocks, self.out_features, self.in_features, linear or self.chunk_linear)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.kind} on {self.kernel}"
@@ -108,6 +117,8 @@ class QuantEmbedding(nn.Module):
     """An embedding over a quantized table: a lookup dequantizes the rows it gathers; `head`
     multiplies by the whole table (a tied head) on the scratch kernel over the same blocks."""
 
+    chunk_linear = grad_linear = staticmethod(F.linear)
+
     def __init__(self, qt, dtype):
         super().__init__()
         self.num_embeddings, self.embedding_dim = qt.shape
@@ -125,7 +136,11 @@ class QuantEmbedding(nn.Module):
 
     def head(self, hidden):
         flat = hidden.reshape(-1, self.embedding_dim).to(self.dtype)
-        return scratch_product(flat, self.blocks, self.num_embeddings, self.embedding_dim).view(*hidden.shape[:-1], self.num_embeddings)
+        out = QuantProduct.apply(flat, self) if needs_grad(flat) else self.product(flat)  # a tune's: quant_grad.py
+        return out.view(*hidden.shape[:-1], self.num_embeddings)
+
+    def product(self, flat, linear=None):
+        return scratch_product(flat, self.blocks, self.num_embeddings, self.embedding_dim, linear or self.chunk_linear)
 
 
 # ---- the kernel choice
