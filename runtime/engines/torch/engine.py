@@ -330,6 +330,7 @@ class TorchEngine:
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
         self._quantized: dict[str, tuple[bool, str | None]] = {}  # model path -> (kept quantized, why)
+        self._streamed: dict[str, tuple[bool, str]] = {}  # model path -> (streamed from the file, why)
 
     def fit_threads(self) -> None:
         if self.device.type == "cpu":
@@ -345,8 +346,7 @@ class TorchEngine:
     def keeps_quantized(self, model_dir) -> bool:
         """Whether load_model keeps this model's weights quantized: a GGUF with quantized weights, on
         a CPU, where its dense copy would not fit half the memory the job may use, or as
-        SPILLPACK_QUANT_GEMM says (quant_linear.keeps_quantized). Decided once per model, so the
-        memory plan and the load agree; the plan counts the weights as they will lie."""
+        SPILLPACK_QUANT_GEMM says (quant_linear.keeps_quantized). Decided once per model (plan and load agree)."""
         return self.quantized_why(model_dir)[0]
 
     def quantized_why(self, model_dir) -> tuple[bool, str | None]:
@@ -365,11 +365,26 @@ class TorchEngine:
                 self._quantized[key] = keeps_quantized(dense, memory_for(self.name)[0] * 2**30)
         return self._quantized[key]
 
+    def stream_why(self, model_dir, resident_peak_gb: float | None = None, available_gb: float = 0.0,
+                   source: str = "") -> tuple[bool, str]:
+        """(streamed from the file's map, why): resident where the plan with the weights resident fits
+        the memory the job may use, as runtime.models.mapped.choice says; decided once per model by
+        the row job's plan (sizing.plan_rows), so plan and load agree (unplanned: SPILLPACK_WEIGHTS)."""
+        from runtime.models.mapped import choice
+
+        key = str(model_dir.path)
+        if key not in self._streamed:
+            if resident_peak_gb is None:
+                resident_peak_gb, available_gb, source = 0.0, float("inf"), "no plan"
+            self._streamed[key] = choice(resident_peak_gb, available_gb, source, self.device.type == "cpu", self.name)
+        return self._streamed[key]
+
     def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | None = None):
         # A float32 CPU base's GEMMs run faster on weights laid out for them (layout.cpu_inference_layout).
         cpu_inference = self.device.type == "cpu" and self.base_dtype == torch.float32
+        streamed = self.stream_why(model_dir)[0]
         model = load_model(model_dir, dtype=self.base_dtype, device=self.device, cpu_inference=cpu_inference,
-                           quantized=self.keeps_quantized(model_dir))
+                           quantized=not streamed and self.keeps_quantized(model_dir), streamed=streamed)
         if adapter is not None:
             tensors, spec = adapter
             apply_lora(model, tensors, spec, self.device)
