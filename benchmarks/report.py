@@ -37,6 +37,9 @@ METHOD = """\
   CPU held by a busy loop (a node shared with another job).
 - `bench_llamacpp.py`: `spillpack run` against llama-cpp-python (built from its sdist on first
   use) on the same GGUF file and the same prompt token ids, same thread count.
+- `bench_stream.py`: `spillpack run` with its weights streamed from the GGUF's map
+  (`SPILLPACK_WEIGHTS=stream`) against the same run with them resident, alternating; the peak RSS
+  of a streamed run counts the mapped pages it touched (unlimited, every one of them).
 - Other benchmarks in `benchmarks/` (engines, pack, S3, shards, memory, validation, grammar,
   adapters, sharded tune) print their own tables; their docstrings say how.
 - Threads are each side's `--threads` (or its default where the command says so). A load average
