@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from conftest import events_of, one_line, run_cli
-from tests.support.gguf_files import write_family
 from runtime.engines.torch.models import load_model
 from runtime.engines.torch.models.quant_layout import weight_bytes
 from runtime.models.mapped import choice
@@ -23,18 +22,8 @@ PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Writ
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory, tiny_home):
-    built = {}
-
-    def get(name):
-        if name not in built:
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("SPILLPACK_HOME", str(tiny_home))
-                path = write_family(name, tmp_path_factory.mktemp("gguf") / f"{name}.gguf", ensure_tiny())
-                built[name] = path, resolve_model(str(path))
-        return built[name]
-
-    return get
+def small(gguf_family):
+    return gguf_family
 
 
 @pytest.mark.parametrize("name", FAMILIES)
