@@ -111,3 +111,16 @@ def test_resident_where_the_plan_fits_else_streamed_and_the_override(monkeypatch
     assert choice(0.1, 8.0, "available memory", True, "torch-cpu") == (True, "streamed from the file (SPILLPACK_WEIGHTS=stream)")
     monkeypatch.setenv("SPILLPACK_WEIGHTS", "resident")
     assert choice(9.0, 8.0, "available memory", True, "torch-cpu") == (False, "resident (SPILLPACK_WEIGHTS=resident)")
+
+
+def test_smollm2_streamed_logits_are_the_resident_loads_bit_for_bit(monkeypatch):
+    """The real Q4_1 file (Q8_0 tied embedding, llama q/k permuted): float32, the same kernel."""
+    from tests.support.real_model import smollm2_gguf
+
+    monkeypatch.setenv("SPILLPACK_QUANT_GEMM", "scratch")
+    md = resolve_model(str(smollm2_gguf()))
+    ids = torch.tensor([[1, 504, 3575, 282, 4649, 314, 4, 1359, 2, 77, 900], [28, 1842, 2830, 355, 2023, 30, 216, 216, 42, 9, 7]])
+    with torch.inference_mode():
+        a = load_model(md, torch.float32, streamed=True)(ids)
+        b = load_model(md, torch.float32, quantized=True)(ids)
+    assert torch.equal(a, b), float((a - b).abs().max())

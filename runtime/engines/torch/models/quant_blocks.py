@@ -35,8 +35,11 @@ class Blocks:
 
     fields: tuple[str, ...] = ()
 
-    def __init__(self, kind: str, shape: tuple[int, int], mapped: bool = False, **tensors):
-        self.kind, self.shape, self.mapped = kind, tuple(shape), mapped
+    def __init__(self, kind: str, shape: tuple[int, int], mapped: bool = False, rows_raw: torch.Tensor | None = None,
+                 **tensors):
+        """`rows_raw`: a mapped weight's bytes (rows, bytes a row), its fields' views; `over(kind, shape, rows of raw)` makes
+        the blocks of rows gathered from them in one copy (a permuted weight's chunk)."""
+        self.kind, self.shape, self.mapped, self.rows_raw = kind, tuple(shape), mapped, rows_raw
         for name in self.fields:
             setattr(self, name, tensors.get(name))
 
@@ -72,10 +75,15 @@ class Q8Blocks(Blocks):
     @classmethod
     def of(cls, qt) -> "Q8Blocks":
         if qt.mapped:
-            b = mapped_tensor(qt.raw).view(qt.shape[0], qt.shape[1] // GROUP, 34)
-            return cls(qt.kind, qt.shape, True, q=b[..., 2:].view(torch.int8), d=b[..., :2].view(torch.float16))
+            return cls.over(qt.kind, qt.shape, mapped_tensor(qt.raw))
         b = qt.raw.reshape(qt.shape[0], qt.shape[1] // GROUP, 34)
         return cls(qt.kind, qt.shape, q=torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8)), d=_f16(b[..., :2]))
+
+    @classmethod
+    def over(cls, kind: str, shape, raw: torch.Tensor) -> "Q8Blocks":
+        """Views of `raw`, uint8 (rows, bytes a row) as the blocks lie in a GGUF (a map, or rows gathered from it)."""
+        b = raw.view(shape[0], shape[1] // GROUP, 34)
+        return cls(kind, shape, True, rows_raw=raw, q=b[..., 2:].view(torch.int8), d=b[..., :2].view(torch.float16))
 
     def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
         """Rows lo..hi dequantized into `out` (hi - lo, blocks, 32), float32: the values converted,
@@ -92,15 +100,22 @@ class Q4Blocks(Blocks):
 
     @classmethod
     def of(cls, qt) -> "Q4Blocks":
+        if qt.mapped:
+            return cls.over(qt.kind, qt.shape, mapped_tensor(qt.raw))
         with_min = qt.kind == "Q4_1"
         size = 20 if with_min else 18
-        if qt.mapped:
-            b = mapped_tensor(qt.raw).view(qt.shape[0], qt.shape[1] // GROUP, size)
-            return cls(qt.kind, qt.shape, True, qs=b[..., size - 16:], d=b[..., 0:2].view(torch.float16),
-                       m=b[..., 2:4].view(torch.float16) if with_min else None)
         b = qt.raw.reshape(qt.shape[0], qt.shape[1] // GROUP, size)
         return cls(qt.kind, qt.shape, qs=torch.from_numpy(np.ascontiguousarray(b[..., size - 16:])), d=_f16(b[..., 0:2]),
                    m=_f16(b[..., 2:4]) if with_min else None)
+
+    @classmethod
+    def over(cls, kind: str, shape, raw: torch.Tensor) -> "Q4Blocks":
+        """As Q8Blocks.over: views of a GGUF's interleaved (d[, m], nibbles) blocks."""
+        with_min = kind == "Q4_1"
+        size = 20 if with_min else 18
+        b = raw.view(shape[0], shape[1] // GROUP, size)
+        return cls(kind, shape, True, rows_raw=raw, qs=b[..., size - 16:], d=b[..., 0:2].view(torch.float16),
+                   m=b[..., 2:4].view(torch.float16) if with_min else None)
 
     def nibbles(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """(rows, blocks, 32) uint8: each block's 32 values, 0..15."""
@@ -130,8 +145,12 @@ class RawBlocks(Blocks):
     @classmethod
     def of(cls, qt) -> "RawBlocks":
         if qt.mapped:
-            return cls(qt.kind, qt.shape, True, raw=mapped_tensor(qt.raw))
+            return cls.over(qt.kind, qt.shape, mapped_tensor(qt.raw))
         return cls(qt.kind, qt.shape, raw=torch.from_numpy(np.ascontiguousarray(qt.raw)))
+
+    @classmethod
+    def over(cls, kind: str, shape, raw: torch.Tensor) -> "RawBlocks":
+        return cls(kind, shape, True, rows_raw=raw, raw=raw)
 
     def values(self, out: torch.Tensor) -> torch.Tensor:
         return out

@@ -61,7 +61,8 @@ class OrderedBlocks(Blocks):
         return self.base.rows(self.order[index])
 
     def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
-        self.base.rows(self.order[lo:hi]).into(out, 0, hi - lo)
+        gathered = _gathered([(self, lo, hi)])
+        (gathered or self.base.rows(self.order[lo:hi])).into(out, 0, hi - lo)
 
 
 class JoinedBlocks(Blocks):
@@ -86,10 +87,30 @@ class JoinedBlocks(Blocks):
         raise NotImplementedError("a joined group's rows are read by ranges (into)")
 
     def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
-        for part, start in zip(self.parts, self.starts):
-            a, b = max(lo, start), min(hi, start + part.shape[0])
-            if a < b:
-                part.into(out[a - lo:b - lo], a - start, b - start)
+        ranges = [(part, max(lo, start) - start, min(hi, start + part.shape[0]) - start)
+                  for part, start in zip(self.parts, self.starts) if max(lo, start) < min(hi, start + part.shape[0])]
+        gathered = _gathered(ranges) if len(ranges) > 1 else None
+        if gathered is not None:  # the parts' rows as one chunk of bytes: one dequantization, not one per part
+            gathered.into(out, 0, hi - lo)
+            return
+        at = 0
+        for part, a, b in ranges:
+            part.into(out[at:at + b - a], a, b)
+            at += b - a
+
+
+def _gathered(ranges) -> Blocks | None:
+    """The rows (part, lo, hi) of mapped quantized weights of one kind as one Blocks over their bytes
+    gathered in one copy (a q/k's rows in their order); None where a part has no bytes to gather."""
+    pieces, kind = [], None
+    for part, lo, hi in ranges:
+        base, index = (part.base, part.order[lo:hi]) if isinstance(part, OrderedBlocks) else (part, slice(lo, hi))
+        if base.rows_raw is None:
+            return None
+        pieces.append(base.rows_raw[index])
+        kind = kind or type(base)
+    raw = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return kind.over(ranges[0][0].kind, (raw.shape[0], ranges[0][0].shape[1]), raw)
 
 
 def joined(parts: list[Blocks]) -> Blocks:
