@@ -161,9 +161,9 @@ def q4_gguf() -> Path:
     return path
 
 
-def f32_gguf(q4: Path) -> Path:
-    """The same weights as an f32 GGUF: every tensor dequantized, the metadata copied."""
-    out = CACHE / "models" / "SmolLM2-135M-Instruct.F32.gguf"
+def f32_gguf(q4: Path, out: Path | None = None) -> Path:
+    """The same weights as an f32 GGUF (at `out`, default the cache): every tensor dequantized, the metadata copied."""
+    out = out or CACHE / "models" / "SmolLM2-135M-Instruct.F32.gguf"
     if out.exists():
         return out
     import gguf

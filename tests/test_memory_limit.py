@@ -1,6 +1,7 @@
 """`run` on SmolLM2's GGUF under a real memory limit (a cgroup the test makes, tests/support/cgroup.py):
 below what its weights need resident, the job streams them from the file's map and answers as the
-unlimited run does, with no OOM kill and the cgroup's peak under the limit; a SIGTERM inside the
+unlimited run does, with no OOM kill and the cgroup's peak under the limit; the same weights as a
+float32 GGUF larger than the limit run too (slow); a SIGTERM inside the
 limit exits 75 and the rerun resumes to the same answers; a limit too small even to stream is one
 line naming the minimum, and no state. The GGUF's pages are dropped from the page cache before each
 limited run, so the limited job faults them in itself (charged to its own cgroup)."""
@@ -8,10 +9,11 @@ limited run, so the limited job faults them in itself (charged to its own cgroup
 import json
 import os
 import signal
+import sys
 
 import pytest
 
-from conftest import events_of, one_line, run_cli
+from conftest import REPO, events_of, one_line, run_cli
 from tests.support.cgroup import MemoryLimit, limit_unavailable
 from tests.support.real_model import smollm2_gguf
 
@@ -64,11 +66,12 @@ def reference(tmp_path_factory, tiny_home):
     return rows, contents(out), plan
 
 
-def limited(limit_bytes, args, tmp_path, name, **kw):
+def limited(limit_bytes, args, tmp_path, name, model=None):
+    model = model or smollm2_gguf()
     limit = MemoryLimit.make(limit_bytes)
     assert limit is not None
-    drop_cached(smollm2_gguf())
-    return limit, ["run", str(smollm2_gguf()), *args, "--name", name, "--state", str(tmp_path / name),
+    drop_cached(model)
+    return limit, ["run", str(model), *args, "--name", name, "--state", str(tmp_path / name),
                    "--out", str(tmp_path / f"{name}.jsonl"), *ARGS]
 
 
@@ -89,6 +92,32 @@ def test_under_a_limit_below_the_weights_the_run_streams_and_answers_as_unlimite
     assert p["weights"] == "streamed" and p["weights_why"].startswith("streamed from the file: resident, it would take"), p
     assert "(cgroup memory limit)" in p["weights_why"] and p["streamed_gb"] > 0.08 and p["estimated_peak_gb"] * 2**30 <= cap
     assert contents(tmp_path / "lim.jsonl") == answers and "Paris" in answers[0]
+
+
+@pytest.mark.slow
+def test_a_model_larger_than_the_limit_runs_with_its_weights_streamed(reference, tmp_path, home):
+    """The same weights as a float32 GGUF (515 MiB, written from the Q4_1 file as bench_llamacpp.py
+    writes it): under a limit well below the file, the page cache holds what it can and the rest is
+    read again from the file as each step needs it; the answers are the reference's."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_llamacpp import f32_gguf
+
+    rows, answers, plan = reference
+    model = f32_gguf(smollm2_gguf(), tmp_path / "SmolLM2-135M-Instruct.F32.gguf")
+    cap = int((plan["runtime_gb"] + 0.12) * 2**30)  # the process, and about 120 MiB for a 515 MiB file's pages
+    assert cap < 0.8 * model.stat().st_size
+    limit, argv = limited(cap, [str(rows)], tmp_path, "f32", model)
+    try:
+        r = limit.run(argv, env=ENV, timeout=900)
+        assert r.returncode == 0, r.stderr
+        assert limit.oom_kills() == 0 and 0 < limit.peak_bytes() <= cap
+        print(f"float32 GGUF of {model.stat().st_size / MB:.0f} MiB under {cap / MB:.0f} MiB: cgroup peak "
+              f"{limit.peak_bytes() / MB:.0f} MiB")
+    finally:
+        limit.close()
+    p = start_of(r.stdout)["memory_plan"]
+    assert p["weights"] == "streamed" and p["streamed_gb"] * 2**30 > cap, p
+    assert contents(tmp_path / "f32.jsonl") == answers
 
 
 @pytest.mark.slow
