@@ -12,6 +12,7 @@ import torch
 from conftest import events_of, one_line, run_cli
 from runtime.engines.torch.models import load_model
 from runtime.engines.torch.models.quant_layout import weight_bytes
+from runtime.models.gguf.model import open_gguf
 from runtime.models.mapped import choice
 from runtime.models.ref import resolve_model
 from runtime.models.tiny import ensure_tiny
@@ -37,8 +38,7 @@ def test_streamed_logits_are_the_resident_loads_with_no_layer_copied(small, name
         a, b = streamed(IDS), resident(IDS)
     assert float((a - b).abs().max()) <= 1e-6 * max(1.0, float(b.abs().max())), float((a - b).abs().max())
     held, mapped = weight_bytes(streamed)
-    two_d = sum(i.nbytes for i in __import__("runtime.models.gguf.model", fromlist=["x"]).open_gguf(md.path).tensors.values()
-                if len(i.shape) >= 2)
+    two_d = sum(i.nbytes for i in open_gguf(md.path).tensors.values() if len(i.shape) >= 2)
     assert mapped == two_d, (mapped, two_d)  # every 2-D weight is the map's
     assert held < 0.02 * mapped, (held, mapped)  # resident: norms and the q/k row orders
 
