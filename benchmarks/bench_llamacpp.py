@@ -163,9 +163,9 @@ def q4_gguf() -> Path:
     return path
 
 
-def f32_gguf(q4: Path) -> Path:
-    """The same weights as an f32 GGUF: every tensor dequantized, the metadata copied."""
-    return _rewritten(q4, "F32")
+def f32_gguf(q4: Path, out: Path | None = None) -> Path:
+    """The same weights as an f32 GGUF (at `out`, default the cache): every tensor dequantized, the metadata copied."""
+    return _rewritten(q4, "F32", out)
 
 
 def q8_gguf(q4: Path) -> Path:
@@ -174,8 +174,8 @@ def q8_gguf(q4: Path) -> Path:
     return _rewritten(q4, "Q8_0")
 
 
-def _rewritten(q4: Path, out_type: str) -> Path:
-    out = CACHE / "models" / f"SmolLM2-135M-Instruct.{out_type}.gguf"
+def _rewritten(q4: Path, out_type: str, out: Path | None = None) -> Path:
+    out = out or CACHE / "models" / f"SmolLM2-135M-Instruct.{out_type}.gguf"
     if out.exists():
         return out
     import gguf

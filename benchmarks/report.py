@@ -44,6 +44,9 @@ METHOD = """\
 - `bench_qlora.py`: `spillpack tune` on SmolLM2-135M's Q4_1 GGUF with its frozen base kept in
   the quantized blocks against the same tune with the base dequantized at load
   (`SPILLPACK_QUANT_GEMM`), each its own process, alternating; both write the same adapter.
+- `bench_stream.py`: `spillpack run` with its weights streamed from the GGUF's map
+  (`SPILLPACK_WEIGHTS=stream`) against the same run with them resident, alternating; the peak RSS
+  of a streamed run counts the mapped pages it touched (unlimited, every one of them).
 - Other benchmarks in `benchmarks/` (engines, pack, S3, shards, memory, validation, grammar,
   sharded tune) print their own tables; their docstrings say how.
 - Threads are each side's `--threads` (or its default where the command says so). A load average

@@ -54,6 +54,27 @@ def tiny_home(tmp_path_factory) -> Path:
     return home
 
 
+@pytest.fixture(scope="session")
+def gguf_family(tmp_path_factory, tiny_home):
+    """family -> (path, ModelDir) of a random GGUF of that family (tests/support/gguf_files.py),
+    written once per session on first use."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            from runtime.models.ref import resolve_model
+            from runtime.models.tiny import ensure_tiny
+            from tests.support.gguf_files import write_family
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("SPILLPACK_HOME", str(tiny_home))
+                path = write_family(name, tmp_path_factory.mktemp("gguf") / f"{name}.gguf", ensure_tiny())
+                built[name] = path, resolve_model(str(path))
+        return built[name]
+
+    return get
+
+
 @pytest.fixture
 def home(tmp_path, tiny_home, monkeypatch) -> Path:
     """A fresh SPILLPACK_HOME holding the tiny model."""

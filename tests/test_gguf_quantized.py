@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from conftest import events_of, run_cli
-from tests.support.gguf_files import real_model_path, write_family
+from tests.support.gguf_files import real_model_path
 from runtime.engines.torch.models import load_model
 from runtime.engines.torch.models.quant_layout import kernels, resident_bytes
 from runtime.engines.torch.models.quant_linear import QuantEmbedding
 from runtime.models.ref import resolve_model
-from runtime.models.tiny import ensure_tiny
 from runtime.models.weights import tensor_shapes, weight_files
 
 TOL = 1e-4
@@ -37,19 +36,9 @@ def smollm2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory, tiny_home):
-    """family -> (path, ModelDir) of a random GGUF of that family, written once."""
-    built = {}
-
-    def get(name):
-        if name not in built:
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("SPILLPACK_HOME", str(tiny_home))
-                path = write_family(name, tmp_path_factory.mktemp("gguf") / f"{name}.gguf", ensure_tiny())
-                built[name] = path, resolve_model(str(path))
-        return built[name]
-
-    return get
+def small(gguf_family):
+    """family -> (path, ModelDir) of a random GGUF of that family, written once (conftest)."""
+    return gguf_family
 
 
 def dense_float_bytes(model) -> int:

@@ -20,6 +20,18 @@ EXIT_PREEMPTED = 75
 _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s?#]*@")
 
 
+def env_choice(variable: str, choices: tuple[str, ...]) -> str | None:
+    """The value of an environment variable that picks one of `choices` (None where unset or
+    empty); any other value is the one refusal."""
+    import os
+
+    chosen = os.environ.get(variable, "").strip().lower()
+    if chosen and chosen not in choices:
+        raise SpillpackError(f"{variable}={os.environ[variable]!r} is not {' or '.join(choices)}",
+                             f"{variable}={choices[0]}, or unset it")
+    return chosen or None
+
+
 def redact(text: str) -> str:
     """`text` with the userinfo of every URL in it replaced by ***: the one redaction for shown or stored URLs."""
     return _USERINFO.sub(r"\1***@", text)

@@ -295,6 +295,15 @@ def disk_free_gb(path=None) -> float:
     return shutil.disk_usage(path).free / 2**30
 
 
+def load_framework(engine: str) -> None:
+    """Import the engine's framework now, so what this process holds (memory_for) counts it: a plan
+    made before the engine is (a row job's floor, runtime/jobs/sizing.py)."""
+    if engine.startswith("torch"):
+        import torch  # noqa: F401
+    elif engine == "mlx":
+        import mlx.core  # noqa: F401
+
+
 def memory_for(engine: str, cap_gb: float | None = None) -> tuple[float, str, float]:
     """(GB a job may plan for, where that figure comes from, GB the process already holds that
     the plan must count). A host engine's plan counts this process's resident memory (interpreter,

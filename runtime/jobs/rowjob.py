@@ -28,7 +28,8 @@ from runtime.engines.generation import Request
 from runtime.engines.registry import base_dtype, dtype_fields
 from runtime.models.quantize import refuse_gguf
 from runtime.jobs import adapters as adapters_of, estimate, shards
-from runtime.jobs.sizing import plan_rows
+from runtime.engines.hardware import choose_engine
+from runtime.jobs.sizing import check_streaming_floor, plan_rows
 from runtime.models.ref import resolve_model
 from runtime.data.rows import Row, encode_rows, error_line, ok_line, parse_rows, system_fingerprint
 from runtime.state.uri import check_output, uri_exists, write_uri
@@ -108,6 +109,8 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
     if split.count > 1:
         identity["shards"] = split.count
     shard = shards.shard_identity(identity, split, len(rows)) if split.count > 1 and split.index is not None else None
+    # Sized before the state is opened: a memory too small even to stream the weights leaves nothing behind.
+    check_streaming_floor(task.command, choose_engine(o.get("engine"))[0], model_dir, rows, o["batch"])
     with Job.open(inv, identity, events, shard=shard) as job:
         if split.count > 1:
             return _run_shard(job, inv, events, task, rows, split, (tokenizer, model_dir, adapters, job_key))
@@ -147,6 +150,8 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
               if generating else None)
     plan = plan_rows(job.engine_name, engine, model_dir, work.todo, o["batch"]) if generating else None
     kept = getattr(engine, "quantized_why", lambda _: (False, None))(model_dir)[1] if generating else None
+    if plan is not None and plan.weights == "streamed":
+        kept = plan.weights_why  # the blocks are the map's: the quantized choice does not apply
     events.emit("start", step=len(work.lines), job=o["name"], model=a[task.model_arg],
                 placement=f"{job.engine_name}: {job.engine_reason}", state=state.uri, estimated_seconds=est, total=total, **extra,
                 estimated_peak_gb=plan and round(plan.peak_gb, 3), memory_plan=plan and plan.to_dict(),

@@ -5,15 +5,17 @@ size from the safetensors headers, the engine's dtype and the memory this machin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from runtime.base import ranks
-from runtime.engines.hardware import memory_for
+from runtime.engines.hardware import load_framework, memory_for
 from runtime.base.errors import SpillpackError, UsageError
 from runtime.engines.registry import group_opener
 from runtime.models.memory import CUDA_CONTEXT_GB, GENERATION_RUNTIME_GB, STEP_RUNTIME_GB, Batch, GenerationPlan, NoFit, Plan, \
     fit, generation_plan
-from runtime.models.weights import tensor_shapes, weight_files
+from runtime.models.mapped import forced
+from runtime.models.weights import stream_bytes, tensor_shapes, weight_files
 
 
 # The steps whose micro-batches are looked at one by one: at least one epoch (the work grows with
@@ -118,15 +120,70 @@ def plan_shards(engine_name: str, engine, model_dir, spec, data, order, total: i
 
 def plan_rows(engine_name: str, engine, model_dir, todo, batch: int) -> GenerationPlan:
     """The peak of generating `todo` (rows with prompt_ids and max_tokens) `batch` at a time, with
-    the engine open: what the process holds now (the framework imported) is measured, not guessed."""
-    _, _, held = memory_for(engine_name)
+    the engine open: what the process holds now (the framework imported) is measured, not guessed.
+    Where the engine can stream (stream_why), the weights are resident if that plan fits the
+    memory the job may use, else streamed from the file, and the plan is the streamed one."""
+    available, source, held = memory_for(engine_name)
     runtime_gb = 0.0 if engine_name == "torch-cuda" else held + GENERATION_RUNTIME_GB  # CUDA: the allocator's count only
-    params = sum(math.prod(shape) for shape in tensor_shapes(weight_files(model_dir.path)).values())
-    slots = min(batch, len(todo))
-    max_len = max(len(r.prompt_ids) + r.max_tokens for r in todo)
-    longest = max(len(r.prompt_ids) for r in todo)
+    files = weight_files(model_dir.path)
+    params = sum(math.prod(shape) for shape in tensor_shapes(files).values())
+    slots, max_len, longest = _shape(todo, batch)
     weights_bytes = quantized = None
     if getattr(engine, "keeps_quantized", lambda _: False)(model_dir):  # a GGUF's quantized weights stay in their blocks
         weights_bytes, quantized = resident(engine, model_dir)
-    return generation_plan(model_dir.config, dtype_bytes(engine), slots, max_len, longest, runtime_gb, params,
+    plan = generation_plan(model_dir.config, dtype_bytes(engine), slots, max_len, longest, runtime_gb, params,
                            weights_bytes, quantized)
+    decide = getattr(engine, "stream_why", None)
+    if decide is None:
+        return plan
+    streamed, why = decide(model_dir, plan.peak_gb, available, source)
+    if streamed:
+        plan = generation_plan(model_dir.config, dtype_bytes(engine), slots, max_len, longest, runtime_gb,
+                               streamed=stream_bytes(files, dtype_bytes(engine)))
+    return dataclasses.replace(plan, weights_why=why)
+
+
+def _shape(todo, batch: int) -> tuple[int, int, int]:
+    """(slots, max_len, longest prompt) of generating `todo` `batch` at a time."""
+    return (min(batch, len(todo)), max(len(r.prompt_ids) + r.max_tokens for r in todo),
+            max(len(r.prompt_ids) for r in todo))
+
+
+# What importing torch may add to a process at most (220 MB measured for torch 2.13 on a CPU):
+# a floor within this much of the limit imports it first and counts what it really holds.
+FRAMEWORK_BOUND_GB = 1.0
+
+
+def check_streaming_floor(command: str, engine_name: str, model_dir, rows, batch: int) -> None:
+    """Before the job's state is opened: a row job on torch-cpu whose memory cannot hold even a
+    streamed load (the framework, the tokenizer and rows, the KV cache, the activations, and one
+    layer with its scratch) is the one line naming the minimum, and nothing is written. Counted
+    at 2 bytes a value, the least any dtype takes, so it never refuses a job that would fit."""
+    forced()  # a bad SPILLPACK_WEIGHTS is refused before anything is written
+    todo = [r for r in rows if not r.error]
+    if engine_name != "torch-cpu" or not todo:
+        return
+    files = weight_files(model_dir.path)
+    streamed = stream_bytes(files, 2)
+
+    def floor(held: float, slots_at: int) -> GenerationPlan:
+        slots, max_len, longest = _shape(todo, slots_at)
+        return generation_plan(model_dir.config, 2, slots, max_len, longest, held + GENERATION_RUNTIME_GB,
+                               streamed=streamed)
+
+    available, source, held = memory_for(engine_name)
+    if floor(held + FRAMEWORK_BOUND_GB, batch).peak_gb <= available:
+        return
+    load_framework(engine_name)
+    available, source, held = memory_for(engine_name)
+    plan = floor(held, batch)
+    if plan.peak_gb <= available:
+        return
+    smaller = next((b for b in range(min(batch, len(todo)) - 1, 0, -1) if floor(held, b).peak_gb <= available), None)
+    need = math.ceil(plan.peak_gb * 100) / 100
+    raise SpillpackError(
+        f"{command} needs at least {need:.2f} GB even with its weights streamed from the file (the process with torch "
+        f"and the tokenizer {plan.runtime_gb:.2f} GB, KV cache {plan.kv_cache_gb:.2f} GB, activations "
+        f"{plan.activations_gb:.2f} GB, one layer and its scratch {plan.layer_gb:.2f} GB); the {source} allows "
+        f"{available:.2f} GB",
+        f"the same command with --batch {smaller}" if smaller else f"a memory limit of at least {need:.2f} GB for this job")

@@ -31,20 +31,19 @@ from runtime.base.errors import SpillpackError
 from runtime.models.arch import architecture
 
 GB = 2**30
-# Measured on torch-cpu float32 (tests/test_memory.py): what a step allocates beyond the counted
-# activations (autograd's bookkeeping, kernel workspaces, the allocator's rounding), as a share of them.
+# Measured on torch-cpu float32 (tests/test_memory.py): what a step allocates beyond the counted activations
+# (autograd's bookkeeping, kernel workspaces, the allocator's rounding), as a share of them.
 SLACK = 0.05
 STEP_RUNTIME_GB = 0.1  # what a host process adds at its first step (thread pools, kernels), measured on torch-cpu
 CUDA_CONTEXT_GB = 0.5  # the CUDA context and cuBLAS workspaces, not in the allocator's count
 MODES = ("auto", "on", "off")
-# The loss projects the positions with loss onto the vocabulary a chunk of positions at a time,
-# each chunk holding at most LOSS_CHUNK_BYTES: at a 152k vocabulary 2,048 targets' float32 logits
-# alone are 1.2 GB. MLX keeps a chunk's logits, log-softmax and the gradients of both (16 bytes a
-# logit, its logits recomputed in backward); torch computes the loss and its gradient in the
-# logits' own buffer (4 bytes a logit on a float32 base, 8 on a 16-bit one: the head's output and
-# the gradient handed back to it), so its chunks hold 2-4x the positions in the same bytes, and
-# the head's GEMM runs at a better shape (Qwen2.5-0.5B's, 2 threads of an AMD EPYC, float32:
-# 117 GFLOP/s forward at 110 positions, 162 at 472; 162 and 199 backward).
+# The loss projects the positions with loss onto the vocabulary a chunk of positions at a time, each chunk holding at
+# most LOSS_CHUNK_BYTES: at a 152k vocabulary 2,048 targets' float32 logits alone are 1.2 GB. MLX keeps a chunk's
+# logits, log-softmax and the gradients of both (16 bytes a logit, its logits recomputed in backward); torch computes
+# the loss and its gradient in the logits' own buffer (4 bytes a logit on a float32 base, 8 on a 16-bit one: the
+# head's output and the gradient handed back to it), so its chunks hold 2-4x the positions in the same bytes, and the
+# head's GEMM runs at a better shape (Qwen2.5-0.5B's, 2 threads of an AMD EPYC, float32: 117 GFLOP/s forward at 110
+# positions, 162 at 472; 162 and 199 backward).
 LOSS_CHUNK_BYTES = 2**28  # 256 MiB
 BYTES_PER_LOGIT = 16  # MLX's, and the plan's: an upper bound for torch's
 
@@ -291,22 +290,20 @@ def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params
 
 # -- generation (run, eval, distill) ---------------------------------------------------------
 #
-# A row job's peak is what it holds before the model (the interpreter, the framework once
-# imported, the tokenizer and the rows: measured, not guessed, because the engine is open when
-# the plan is made), the base weights in the compute dtype, the KV cache the decoder
-# preallocates for every slot at the longest row (and the prefix cache, the same in the torch
-# and MLX decoders, runtime/engines/prefill.py: one prompt's keys and values, max_len tokens),
-# and the largest forward on top of them. On a CPU the widest forward is a prefill: every slot
-# starting at once, right-padded to one width, cut into chunks of at most PREFILL_CHUNK_TOKENS
-# tokens along the sequence, so the smaller of slots x the longest prompt and a chunk bounds it;
-# a decode step is one token a slot.
+# A row job's peak is what it holds before the model (the interpreter, the framework once imported, the tokenizer and
+# the rows: measured, not guessed, because the engine is open when the plan is made), the base weights in the compute
+# dtype, the KV cache the decoder preallocates for every slot at the longest row (and the prefix cache's one prompt,
+# prefill.py), and the largest forward on top of them. On a CPU the widest forward is a prefill (every slot at once,
+# right-padded, in chunks of at most PREFILL_CHUNK_TOKENS tokens); a decode step is one token a slot.
 
-# The tokens of one prefill forward (rows x width; both engines' decoders): activations grow with
-# them, so longer prefills run in chunks, each appending to the KV cache. 2,048 tokens keep the
-# matmuls large enough that a forward's fixed cost is noise (vLLM's chunked prefill budgets
-# forwards in the same thousands of tokens), while one forward's activations stay about 0.1 GB
-# for a 0.5B model and a few tenths for a 7B.
+# The tokens of one prefill forward (rows x width; both engines' decoders): activations grow with them, so longer
+# prefills run in chunks, each appending to the KV cache. 2,048 tokens keep the matmuls large enough that a forward's
+# fixed cost is noise (vLLM's chunked prefill budgets forwards in the same thousands of tokens), while one forward's
+# activations stay about 0.1 GB for a 0.5B model and a few tenths for a 7B.
 PREFILL_CHUNK_TOKENS = 2048
+
+# quant_blocks.py's float32 scratch chunk; a streamed load holds it, its rounded copy and nibbles at most.
+SCRATCH_BYTES, STREAM_SCRATCH_BYTES = 4 << 20, 12 << 20
 
 # What a host process adds at its first forward beyond the tensors counted (thread pools, the
 # kernels' code pages and workspaces), measured on torch-cpu float32 (tests/test_memory_run.py).
@@ -323,14 +320,23 @@ class GenerationPlan:
     max_len: int  # tokens a slot holds: the longest prompt + its max_tokens
     prefill: tuple[int, int]  # (rows, width) of the widest prefill forward counted (one chunk)
     quantized: dict = field(default_factory=dict)  # quantized type -> weights resident in their blocks (a GGUF's)
+    # Streamed (mapped.py): weights_gb stays resident (1-D tensors), streamed_gb is the map's (page
+    # cache, not in the peak), layer_gb the largest layer's mapped bytes and the scratch (in the peak).
+    streamed_gb: float = 0.0
+    layer_gb: float = 0.0
+    weights: str = "resident"  # or "streamed"
+    weights_why: str = ""
 
     @property
     def peak_gb(self) -> float:
-        return self.weights_gb + self.kv_cache_gb + self.activations_gb + self.runtime_gb
+        return self.weights_gb + self.layer_gb + self.kv_cache_gb + self.activations_gb + self.runtime_gb
 
     def describe(self) -> str:
         kept = ", ".join(f"{n} {kind}" for kind, n in sorted(self.quantized.items()))
         weights = f"weights {self.weights_gb:.2f} GB" + (f" ({kept} kept quantized)" if kept else "")
+        if self.weights == "streamed":
+            weights = (f"weights {self.weights_gb:.2f} GB resident and {self.streamed_gb:.2f} GB streamed from the file "
+                       f"(one layer and its scratch {self.layer_gb:.2f} GB at a time)")
         return (f"about {self.peak_gb:.2f} GB at the peak: {weights}, KV cache {self.kv_cache_gb:.2f} GB "
                 f"({self.slots} slots and a prefix cache x {self.max_len} tokens), activations {self.activations_gb:.2f} GB, "
                 f"runtime {self.runtime_gb:.2f} GB")
@@ -339,7 +345,9 @@ class GenerationPlan:
         return {"estimated_peak_gb": round(self.peak_gb, 3), "weights_gb": round(self.weights_gb, 3),
                 "kv_cache_gb": round(self.kv_cache_gb, 3), "activations_gb": round(self.activations_gb, 3),
                 "runtime_gb": round(self.runtime_gb, 3), "slots": self.slots, "max_len": self.max_len,
-                "prefill": list(self.prefill), "quantized": dict(self.quantized)}
+                "prefill": list(self.prefill), "quantized": dict(self.quantized), "weights": self.weights,
+                "resident_gb": round(self.weights_gb, 3), "streamed_gb": round(self.streamed_gb, 3),
+                "layer_gb": round(self.layer_gb, 3), "weights_why": self.weights_why}
 
 
 def kv_cache_bytes(config: dict, slots: int, max_len: int, act_bytes: int) -> int:
@@ -350,12 +358,14 @@ def kv_cache_bytes(config: dict, slots: int, max_len: int, act_bytes: int) -> in
 
 def generation_plan(config: dict, act_bytes: int, slots: int, max_len: int, longest_prompt: int, runtime_gb: float,
                     params: int | None = None, weights_bytes: int | None = None,
-                    quantized: dict | None = None) -> GenerationPlan:
+                    quantized: dict | None = None, streamed: tuple[int, int, int] | None = None) -> GenerationPlan:
     """The predicted peak of generating with `slots` rows at once, each slot up to `max_len` tokens;
     `weights_bytes`: the weights as they will lie (a GGUF's quantized ones in their blocks,
-    `quantized` counting them by type), else every parameter dense at `act_bytes`."""
+    `quantized` counting them by type), else every parameter dense at `act_bytes`; `streamed`: a
+    streamed load's bytes (mapped.stream_bytes)."""
     a = _args(config)
     weights = weights_bytes if weights_bytes is not None else (params if params is not None else base_params(config)) * act_bytes
+    weights, quantized = (weights, quantized) if streamed is None else (streamed[0], None)
     kv_slots = kv_cache_bytes(config, slots, max_len, act_bytes)
     kv = kv_slots + kv_cache_bytes(config, 1, max_len, act_bytes)  # and the prefix cache's one prompt
     d, hd = a.hidden_size, a.head_dim
@@ -382,5 +392,7 @@ def generation_plan(config: dict, act_bytes: int, slots: int, max_len: int, long
     logits = slots * a.vocab_size * (4 + (act_bytes if act_bytes != 4 else 0))
     activations = tokens * per_token + gathered + mask + scores + logits
     rows = max(min(slots, tokens), 1)
+    extra = {} if streamed is None else {"streamed_gb": streamed[1] / GB, "weights": "streamed",
+                                         "layer_gb": (streamed[2] + STREAM_SCRATCH_BYTES) / GB}
     return GenerationPlan(weights / GB, kv / GB, activations / GB, runtime_gb, slots, max_len, (rows, tokens // rows),
-                          dict(quantized or {}))
+                          dict(quantized or {}), **extra)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from runtime.base.errors import SpillpackError
 from runtime.models.gguf import is_gguf_file
 
 INDEX = "model.safetensors.index.json"
+_LAYER = re.compile(r"^(?:blk|model\.layers|model\.language_model\.layers|language_model\.model\.layers)\.(\d+)\.")
 SINGLE = "model.safetensors"
 
 
@@ -106,23 +108,31 @@ def tensor_shapes(files) -> dict[str, tuple]:
     return out
 
 
-def read_tensors(files, rows=None, quantized: bool = False):
+def read_tensors(files, rows=None, quantized: bool = False, mapped: bool = False):
     """(name, safetensors dtype, numpy array) for each tensor, one at a time, in file order
     (a GGUF's dequantized to float32, under the Hugging Face names). `rows(name, shape)`: the
     (lo, hi) rows of the first dimension to read, or None for the whole tensor; a safetensors
     file is read for those rows' bytes alone (a rank of a sharded base reads its own part).
     With `quantized`, a GGUF's quantized weights come as (name, type, QuantTensor),
-    runtime.models.gguf.tensors (never with `rows`: a sharded base is a tune's, dense)."""
+    runtime.models.gguf.tensors (never with `rows`: a sharded base is a tune's, dense).
+    With `mapped` (a streamed load, never with `rows`), the 2-D weights are read-only views of
+    each file's map instead of reads (runtime.models.mapped)."""
+    assert not (mapped and rows is not None), "a streamed load reads whole tensors"
     for f in files:
         if is_gguf_file(f):
             from runtime.models.gguf.model import read_tensors as gguf_tensors
 
-            for name, kind, array in gguf_tensors(f, quantized):
+            for name, kind, array in gguf_tensors(f, quantized, mapped):
                 part = rows(name, array.shape) if rows is not None and array.ndim else None
                 yield name, kind, (array if part is None else array[part[0]:part[1]].copy())
             continue
         raw = read_safetensors_header(f)
         header, start = json.loads(raw), 8 + len(raw)
+        if mapped:
+            from runtime.models.mapped import safetensors_views
+
+            yield from safetensors_views(f, header, start)
+            continue
         entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0])
         with open(f, "rb", buffering=0) as fh:
             for name, info in entries:
@@ -150,6 +160,38 @@ def read_tensors(files, rows=None, quantized: bool = False):
                         raise SpillpackError(f"cannot read {f}: it ends inside tensor {name} (truncated)", f"re-download the weights into {f.parent}")
                     got += n
                 yield name, info["dtype"], array
+
+
+def _header_tensors(files) -> list[tuple[str, tuple, int]]:
+    """(name, numpy shape, bytes in the file) of every weight of `files`."""
+    out = []
+    for f in files:
+        if is_gguf_file(f):
+            from runtime.models.gguf.model import open_gguf
+            from runtime.models.gguf.tensors import IGNORED
+
+            out += [(i.name, i.shape, i.nbytes) for i in open_gguf(f).tensors.values() if i.name not in IGNORED]
+            continue
+        header = json.loads(read_safetensors_header(Path(f)))
+        out += [(k, tuple(v["shape"]), v["data_offsets"][1] - v["data_offsets"][0]) for k, v in header.items()
+                if k != "__metadata__"]
+    return out
+
+
+def stream_bytes(files, act_bytes: int) -> tuple[int, int, int]:
+    """(resident, mapped, largest layer's mapped) bytes of a streamed load of `files`: the 1-D
+    tensors are resident in the compute dtype (`act_bytes` a value), every other one mapped."""
+    resident = mapped = 0
+    layers: dict[str, int] = {}
+    for name, shape, nbytes in _header_tensors(files):
+        if len(shape) < 2:
+            resident += math.prod(shape) * act_bytes
+            continue
+        mapped += nbytes
+        m = _LAYER.match(name)
+        if m:
+            layers[m.group(1)] = layers.get(m.group(1), 0) + nbytes
+    return resident, mapped, max(layers.values(), default=0)
 
 
 def check_weights(expected: dict, got: dict, files, model_dir) -> None:

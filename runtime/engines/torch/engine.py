@@ -25,6 +25,7 @@ from runtime.engines.torch.device import PeakMemory, describe, fit_threads, make
 from runtime.engines.torch.loss import target_loss
 from runtime.engines.torch.models import load_checkpoint, load_model, routed_tokens
 from runtime.engines.torch.models.layout import cpu_training_layout
+from runtime.engines.torch.placement import WeightPlacement
 from runtime.engines.torch.row_threads import RowThreads
 from runtime.engines.torch.optim import AdamW
 from runtime.engines.torch.decode_dtype import generation_precision
@@ -307,7 +308,7 @@ class TorchTrainSession:
         return {k: v.numpy() for k, v in weights.items()}
 
 
-class TorchEngine:
+class TorchEngine(WeightPlacement):
     """`device` and `base_dtype` default to what the engine's name and the device call for;
     `width` is the model's hidden size (the CPU's dtype policy needs it), `why` says where a
     given `base_dtype` came from, `training` whether the engine is for a tune (the policy may differ),
@@ -332,6 +333,7 @@ class TorchEngine:
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
         self._quantized: dict[str, tuple[bool, str | None, bool]] = {}  # model path -> (kept quantized, why, dense head)
+        self._streamed: dict[str, tuple[bool, str]] = {}  # model path -> (streamed from the file, why)
         self.training = training
         self.quantize = quantize  # --quantize's block type (runtime.models.quantize): float weights quantized at load
 
@@ -346,34 +348,13 @@ class TorchEngine:
     def train_session(self, model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0) -> TorchTrainSession:
         return TorchTrainSession(self, model_dir, spec, tensors, opt, seed)
 
-    def keeps_quantized(self, model_dir) -> bool:
-        """Whether load_model keeps this model's weights quantized: a GGUF with quantized weights, on
-        a CPU, where its dense copy would not fit half the memory the job may use, or as
-        SPILLPACK_QUANT_GEMM says (quant_linear.keeps_quantized). Decided once per model, so the
-        memory plan and the load agree; the plan counts the weights as they will lie."""
-        return self.quantized_why(model_dir)[0]
-
-    def quantized_why(self, model_dir) -> tuple[bool, str | None]:
-        return self._quantized_load(model_dir)[:2]
-
-    def dense_head(self, model_dir) -> bool:
-        """Whether a quantized load dequantizes the head's weight (quant_linear.dense_head)."""
-        return self._quantized_load(model_dir)[2]
-
-    def _quantized_load(self, model_dir) -> tuple[bool, str | None, bool]:
-        from runtime.engines.torch.quant_load import decide
-
-        key = str(model_dir.path)
-        if key not in self._quantized:
-            self._quantized[key] = decide(self, model_dir)
-        return self._quantized[key]
-
     def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | list[tuple[dict, LoraSpec]] | None = None):
         # A float32 CPU base's GEMMs run faster on weights laid out for them (layout.cpu_inference_layout).
         cpu_inference = self.device.type == "cpu" and self.base_dtype == torch.float32
+        streamed = self.stream_why(model_dir)[0]
         model = load_model(model_dir, dtype=self.base_dtype, device=self.device, cpu_inference=cpu_inference,
-                           quantized=self.keeps_quantized(model_dir) and (self.quantize or True),
-                           dense_head=self.dense_head(model_dir))
+                           quantized=not streamed and self.keeps_quantized(model_dir) and (self.quantize or True),
+                           dense_head=not streamed and self.dense_head(model_dir), streamed=streamed)
         if isinstance(adapter, list):  # many adapters in one batch: each request names its own (multi_lora.py)
             from runtime.engines.torch.multi_lora import apply_adapters
 

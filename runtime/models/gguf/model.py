@@ -66,13 +66,14 @@ def check(path) -> dict:
     return cfg
 
 
-def read_tensors(path, quantized: bool = False):
+def read_tensors(path, quantized: bool = False, mapped: bool = False):
     """(HF name, "F32", float32 array) per weight, dequantized one tensor at a time; with
-    `quantized`, (HF name, its type, QuantTensor) for each weight kept in its blocks."""
+    `quantized`, (HF name, its type, QuantTensor) for each weight kept in its blocks; with
+    `mapped`, every 2-D weight as a view of the file's map (tensors.model_tensors)."""
     from runtime.models.gguf.tensors import model_tensors
 
     gf = open_gguf(path)
-    for name, array in model_tensors(gf, config(path), quantized):
+    for name, array in model_tensors(gf, config(path), quantized, mapped):
         yield name, getattr(array, "kind", "F32"), array
     # The weights are the last thing a job reads from the header: its parsed metadata (a tokens
     # and a merges list of about 49k strings each for SmolLM2, 7 MB) would otherwise stay

@@ -54,6 +54,12 @@ class QuantTensor:
     kind: str  # one of QUANTIZED
     shape: tuple[int, int]  # (out, in), numpy's order
     raw: np.ndarray
+    order: np.ndarray | None = None  # mapped (runtime.models.mapped): row i is the stored row order[i]
+
+    @property
+    def mapped(self) -> bool:
+        """`raw` is a read-only view of the file's map (a streamed load), not a copy."""
+        return not self.raw.flags.writeable
 
     @property
     def nbytes(self) -> int:
@@ -123,35 +129,74 @@ def dequantize(gf, info) -> np.ndarray:
     return np.ascontiguousarray(out, dtype=np.float32).reshape(info.shape)
 
 
-def model_tensors(gf, config: dict, quantized: bool = False):
+def model_tensors(gf, config: dict, quantized: bool = False, mapped: bool = False):
     """(HF name, float32 array) for each weight of the model, one tensor at a time, in file order;
     with `quantized`, a 2-D weight of a QUANTIZED type comes as a QuantTensor instead (its rows
-    un-permuted as bytes, no float copy made)."""
+    un-permuted as bytes, no float copy made). With `mapped` (a streamed load), every 2-D weight
+    is a read-only view of the file's map (runtime.models.mapped): a QuantTensor, or a
+    MappedFloat for a float type, q and k carrying their row order instead of being un-permuted;
+    the 1-D ones are read and converted as ever."""
     family = gf.architecture
     permute = family == "llama"  # also Mistral, which GGUF carries as llama
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    whole = None
+    if mapped:
+        from runtime.models.mapped import open_map
+
+        whole = open_map(gf.path)
     for info in sorted(gf.tensors.values(), key=lambda t: t.offset):
         if info.name in IGNORED:
             continue
         name = hf_name(family, info.name)
         kind = type_name(info.ggml_type)
+        n_heads = None
+        if permute and info.name.endswith(("attn_q.weight", "attn_q.bias")):
+            n_heads = heads
+        elif permute and info.name.endswith(("attn_k.weight", "attn_k.bias")):
+            n_heads = kv_heads
+        if whole is not None and len(info.shape) in (2, 3):
+            yield from _mapped(gf, whole, info, name, kind, n_heads)
+            continue
         blocks = quantized and kind in QUANTIZED and len(info.shape) in (2, 3)
         w = gf.read_raw(info) if blocks else dequantize(gf, info)
         if name is None:  # (experts, out, in): one linear per expert
-            m = _BLOCK.match(info.name)
-            proj = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}[m.group(2)]
-            for e in range(w.shape[0]):
-                part = np.ascontiguousarray(w[e])
-                yield (f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight",
-                       QuantTensor(kind, tuple(info.shape[1:]), part) if blocks else part)
+            for expert, part in _experts(info, w):
+                yield expert, (QuantTensor(kind, tuple(info.shape[1:]), np.ascontiguousarray(part)) if blocks
+                               else np.ascontiguousarray(part))
             continue
-        if permute and info.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute(w, heads)
-        elif permute and info.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute(w, kv_heads)
+        if n_heads is not None:
+            w = unpermute(w, n_heads)
         if family == "gemma3" and info.name.endswith("norm.weight"):
             w = w - np.float32(1)
         yield name, (QuantTensor(kind, tuple(info.shape), np.ascontiguousarray(w)) if blocks else w)
+
+
+def _experts(info, w):
+    """(HF name, part) of each expert of a stacked (experts, out, in) tensor."""
+    m = _BLOCK.match(info.name)
+    proj = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}[m.group(2)]
+    for e in range(w.shape[0]):
+        yield f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight", w[e]
+
+
+def _mapped(gf, whole, info, name, kind, n_heads):
+    """A 2-D (or stacked 3-D) tensor as views of the map: QuantTensor or MappedFloat."""
+    from runtime.models.mapped import FLOAT_VIEWS, MappedFloat, view
+
+    offset = gf.data_start + info.offset
+    if kind in FLOAT_VIEWS:
+        raw = view(whole, offset, info.nbytes, FLOAT_VIEWS[kind], info.shape)
+        make = lambda shape, part, order: MappedFloat(kind, shape, part, order)
+    else:
+        rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+        raw = view(whole, offset, info.nbytes, np.uint8, (*info.shape[:-1], info.nbytes // rows))
+        make = lambda shape, part, order: QuantTensor(kind, shape, part, order)
+    if name is None:
+        for expert, part in _experts(info, raw):
+            yield expert, make(tuple(info.shape[1:]), part, None)
+        return
+    order = None if n_heads is None else unpermute(np.arange(info.shape[0]), n_heads)
+    yield name, make(tuple(info.shape), raw, order)
 
 
 def head_name(gf) -> str:

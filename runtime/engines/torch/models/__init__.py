@@ -63,19 +63,28 @@ def load_checkpoint(model_dir: "ModelDir", dtype=torch.float32, device="cpu") ->
 
 
 def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", cpu_inference: bool = False,
-               quantized: bool = False, dense_head: bool = False, tune: bool = False):
+               quantized: bool = False, dense_head: bool = False, tune: bool = False, streamed: bool = False):
     """Build the architecture named by config.json and load its weights strictly; `cpu_inference`:
     the weights laid out for a float32 CPU base's generation and evaluation (layout.cpu_inference_layout),
     which no gradient may reach; `quantized` (inference on a CPU): a GGUF's quantized weights kept
     in their blocks (quant_linear.py), never dequantized whole (but the head's weight, with
-    `dense_head`); with `tune`, laid out for a tune's frozen base (quant_layout.quantized_modules)."""
+    `dense_head`); with `tune`, laid out for a tune's frozen base (quant_layout.quantized_modules);
+    `streamed` (inference on a CPU): every 2-D weight a view of its file's map (streamed.py), no
+    layout that would copy it."""
     arch = architecture(model_dir.config, str(model_dir.path / "config.json"))
     args = arch.args.from_dict(model_dir.config)
     # Build on the meta device: no time or memory spent on a random init that is overwritten.
     with torch.device("meta"):
         model = model_file(arch).Model(args)
     files = weight_files(model_dir.path)
-    weights = arch.sanitize(args, load_weights(files, dtype, device, quantized))
+    maps: set = set()
+    if streamed:
+        from runtime.engines.torch.models.streamed import streamed_tensors
+
+        weights = arch.sanitize(args, dict(streamed_tensors(files, dtype, maps)))
+        quantized, cpu_inference = True, False  # its Blocks become quantized modules; a layout would copy the map
+    else:
+        weights = arch.sanitize(args, load_weights(files, dtype, device, quantized))
     check_weights({k: tuple(v.shape) for k, v in model.state_dict().items()},
                   {k: tuple(v.shape) for k, v in weights.items()}, files, model_dir)
     if quantized:
@@ -86,6 +95,10 @@ def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", cpu_inf
     del weights
     if cpu_inference:
         cpu_inference_layout(model)
+    if streamed:
+        from runtime.engines.torch.models.streamed import mark_streamed
+
+        mark_streamed(model, maps)
     join_linears(model)
     trim_heap()
     return model.eval()

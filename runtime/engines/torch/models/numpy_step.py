@@ -34,7 +34,9 @@ def takes(model, k: torch.Tensor) -> bool:
     """Whether the step computes what `model`'s forward does over a KV cache of keys `k`: its
     float32 weights and cache on a CPU, its products plain linears or LoRA wrappers of them with
     dropout off, a full rotation without LongRoPE's switch (llama.Model.numpy_step checks the
-    blocks are llama.py's own)."""
+    blocks are llama.py's own). Not a streamed load's (streamed.py): the step multiplies joined copies."""
+    if getattr(model, "streamed_weights", None) is not None:
+        return False
     if k.device.type != "cpu" or k.dtype != torch.float32 or model.model.embed_tokens.weight.dtype != torch.float32:
         return False
     for block in model.model.layers:

@@ -5,6 +5,10 @@ scales (and minimums), a K-quant its raw bytes (dequantized by gguf's reference)
 turns a range of rows into one reused, thread-local buffer of the compute dtype, so no float copy
 of a whole layer exists at any time; `scratch_product` multiplies by a weight a chunk of rows at a
 time; `int4pack` lays Q4_0/Q4_1 out for torch's int4 kernel (quant_linear.py says when each runs).
+
+A streamed load's blocks (runtime.models.mapped) are not copies: each field is a strided view of
+the file's map as the blocks lie there interleaved (a Q8_0 weight's (rows, blocks, 34) bytes,
+its scale the first two of each block), and `into` converts the scales of the rows it reads.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runtime.models.memory import SCRATCH_BYTES  # a chunk of dequantized rows (the planner counts it)
+
 GROUP = 32  # values a block of Q8_0, Q4_0 and Q4_1 (and the int4pack group size)
 INT4PACK_TYPES = ("Q4_0", "Q4_1")
-SCRATCH_BYTES = 4 << 20  # a chunk of dequantized rows: large enough for MKL, small enough to stay in cache
 
 
 # ---- blocks: a QuantTensor held as torch tensors, dequantized a range of rows at a time
@@ -25,17 +30,26 @@ SCRATCH_BYTES = 4 << 20  # a chunk of dequantized rows: large enough for MKL, sm
 
 class Blocks:
     """A quantized weight's blocks as torch tensors (its `fields`, each (rows, ...)), of `kind` and
-    (rows, cols) `shape`; `into` dequantizes a range of rows into a float32 buffer."""
+    (rows, cols) `shape`; `into` dequantizes a range of rows into a float32 buffer. `mapped`: the
+    fields are views of a file's map (resident bytes: none)."""
 
     fields: tuple[str, ...] = ()
 
-    def __init__(self, kind: str, shape: tuple[int, int], **tensors):
-        self.kind, self.shape = kind, tuple(shape)
+    def __init__(self, kind: str, shape: tuple[int, int], mapped: bool = False, rows_raw: torch.Tensor | None = None,
+                 **tensors):
+        """`rows_raw`: a mapped weight's bytes (rows, bytes a row), its fields' views; `over(kind, shape, rows of raw)` makes
+        the blocks of rows gathered from them in one copy (a permuted weight's chunk)."""
+        self.kind, self.shape, self.mapped, self.rows_raw = kind, tuple(shape), mapped, rows_raw
         for name in self.fields:
             setattr(self, name, tensors.get(name))
 
+    def held_bytes(self) -> int:
+        """The bytes of the fields' data, in memory or in the map."""
+        return sum(_extent(t) for t in (getattr(self, f) for f in self.fields) if t is not None)
+
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (getattr(self, f) for f in self.fields) if t is not None)
+        """The bytes held in memory."""
+        return 0 if self.mapped else self.held_bytes()
 
     def rows(self, index) -> "Blocks":
         """The blocks of some rows (an embedding's lookups)."""
@@ -60,12 +74,22 @@ class Q8Blocks(Blocks):
 
     @classmethod
     def of(cls, qt) -> "Q8Blocks":
+        if qt.mapped:
+            return cls.over(qt.kind, qt.shape, mapped_tensor(qt.raw))
         b = qt.raw.reshape(qt.shape[0], qt.shape[1] // GROUP, 34)
         return cls(qt.kind, qt.shape, q=torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8)), d=_f16(b[..., :2]))
 
+    @classmethod
+    def over(cls, kind: str, shape, raw: torch.Tensor) -> "Q8Blocks":
+        """Views of `raw`, uint8 (rows, bytes a row) as the blocks lie in a GGUF (a map, or rows gathered from it)."""
+        b = raw.view(shape[0], shape[1] // GROUP, 34)
+        return cls(kind, shape, True, rows_raw=raw, q=b[..., 2:].view(torch.int8), d=b[..., :2].view(torch.float16))
+
     def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
-        """Rows lo..hi dequantized into `out` (hi - lo, blocks, 32), float32."""
-        torch.mul(self.q[lo:hi], self.d[lo:hi], out=out)
+        """Rows lo..hi dequantized into `out` (hi - lo, blocks, 32), float32: the values converted,
+        then scaled (the same products as int8 times float32, measured 1.5x faster than that one op)."""
+        out.copy_(self.q[lo:hi])
+        out.mul_(self.d[lo:hi].float())
 
 
 class Q4Blocks(Blocks):
@@ -76,11 +100,22 @@ class Q4Blocks(Blocks):
 
     @classmethod
     def of(cls, qt) -> "Q4Blocks":
+        if qt.mapped:
+            return cls.over(qt.kind, qt.shape, mapped_tensor(qt.raw))
         with_min = qt.kind == "Q4_1"
         size = 20 if with_min else 18
         b = qt.raw.reshape(qt.shape[0], qt.shape[1] // GROUP, size)
         return cls(qt.kind, qt.shape, qs=torch.from_numpy(np.ascontiguousarray(b[..., size - 16:])), d=_f16(b[..., 0:2]),
                    m=_f16(b[..., 2:4]) if with_min else None)
+
+    @classmethod
+    def over(cls, kind: str, shape, raw: torch.Tensor) -> "Q4Blocks":
+        """As Q8Blocks.over: views of a GGUF's interleaved (d[, m], nibbles) blocks."""
+        with_min = kind == "Q4_1"
+        size = 20 if with_min else 18
+        b = raw.view(shape[0], shape[1] // GROUP, size)
+        return cls(kind, shape, True, rows_raw=raw, qs=b[..., size - 16:], d=b[..., 0:2].view(torch.float16),
+                   m=b[..., 2:4].view(torch.float16) if with_min else None)
 
     def nibbles(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """(rows, blocks, 32) uint8: each block's 32 values, 0..15."""
@@ -89,15 +124,17 @@ class Q4Blocks(Blocks):
 
     def into(self, out: torch.Tensor, lo: int, hi: int) -> None:
         qs = self.qs[lo:hi]
+        if not qs.is_contiguous():  # mapped: the nibbles lie between their blocks' scales; gathered once (2x faster)
+            qs = _buffer("strided", qs.numel(), torch.uint8).view(qs.shape).copy_(qs)
         nibble = _nibble_buffer(qs.shape)
         torch.bitwise_and(qs, 15, out=nibble)
         out[..., :16].copy_(nibble)
         torch.bitwise_right_shift(qs, 4, out=nibble)
         out[..., 16:].copy_(nibble)
         if self.m is None:  # in gguf's order: (q - 8) first, then the scale
-            out.sub_(8).mul_(self.d[lo:hi])
+            out.sub_(8).mul_(self.d[lo:hi].float())
         else:
-            out.mul_(self.d[lo:hi]).add_(self.m[lo:hi])
+            out.mul_(self.d[lo:hi].float()).add_(self.m[lo:hi].float())
 
 
 class RawBlocks(Blocks):
@@ -107,7 +144,13 @@ class RawBlocks(Blocks):
 
     @classmethod
     def of(cls, qt) -> "RawBlocks":
+        if qt.mapped:
+            return cls.over(qt.kind, qt.shape, mapped_tensor(qt.raw))
         return cls(qt.kind, qt.shape, raw=torch.from_numpy(np.ascontiguousarray(qt.raw)))
+
+    @classmethod
+    def over(cls, kind: str, shape, raw: torch.Tensor) -> "RawBlocks":
+        return cls(kind, shape, True, rows_raw=raw, raw=raw)
 
     def values(self, out: torch.Tensor) -> torch.Tensor:
         return out
@@ -119,6 +162,21 @@ class RawBlocks(Blocks):
         out.copy_(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(out.shape))
 
 
+def mapped_tensor(a: np.ndarray) -> torch.Tensor:
+    """A read-only numpy view of a map as a torch tensor of the same memory (torch warns that it
+    could be written: nothing writes a weight)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The bytes a (possibly strided) field spans: a view's own elements, not its base's."""
+    return t.numel() * t.element_size()
+
+
 def _f16(a: np.ndarray) -> torch.Tensor:
     """A block field of 2 bytes, the float16 scale it is, as float32 (exactly): a float32 buffer
     times float16 scales takes torch's mixed-dtype path, measured 200x slower than float32 times
@@ -128,7 +186,8 @@ def _f16(a: np.ndarray) -> torch.Tensor:
 
 def blocks_of(qt) -> Blocks:
     """A QuantTensor (runtime.models.gguf.tensors) as the torch blocks of its kind; its bytes can
-    then be dropped (the blocks are a copy in their own layout, of the same size)."""
+    then be dropped (the blocks are a copy in their own layout, of the same size), unless it is
+    mapped (the blocks are views of the same map)."""
     if isinstance(qt, Blocks):
         return qt
     if qt.kind == "Q8_0":

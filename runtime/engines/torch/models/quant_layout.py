@@ -62,7 +62,7 @@ def quantized_modules(model: nn.Module, weights: dict, dtype, dense_head: bool =
         if isinstance(old, nn.Embedding):
             parent._modules[child] = QuantEmbedding(qt, dtype)
         elif type(old) is nn.Linear:
-            parent._modules[child] = QuantLinear(qt, rest.pop(f"{name}.bias", None), dtype, "scratch" if tune else None)
+            parent._modules[child] = QuantLinear(qt, rest.pop(f"{name}.bias", None), dtype, "scratch" if tune else _kernel(qt))
         else:
             rest[key] = dense_copy(qt, *qt.shape, dtype)
     return rest
@@ -92,11 +92,31 @@ def join(qts: list, biases: list, dtype) -> QuantLinear | None:
         return None
     if any(b is None for b in biases) and not all(b is None for b in biases):
         return None
+    from runtime.engines.torch.models.streamed import joined as join_blocks
+
     parts = [blocks_of(q) for q in qts]
-    joined = type(parts[0]).cat(parts)
+    one = join_blocks(parts)
     del parts
     bias = None if biases[0] is None else torch.cat(biases)
-    return QuantLinear(joined, bias, dtype)
+    return QuantLinear(one, bias, dtype, _kernel(one))
+
+
+def _kernel(blocks) -> str | None:
+    """A mapped weight's kernel: the scratch, which reads the map (int4pack would pack a copy);
+    None: measured as ever."""
+    return "scratch" if getattr(blocks, "mapped", False) else None
+
+
+def quantized_blocks(model: nn.Module) -> list:
+    """The Blocks of `model`'s quantized modules (a joined group's once)."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)) and m.blocks is not None:
+            out.append(m.blocks)
+        joined = (m.__dict__.get("joined_linears") or (None, (None,)))[1][0]
+        if isinstance(joined, QuantLinear) and joined.blocks is not None:
+            out.append(joined.blocks)
+    return out
 
 
 def resident_bytes(model: nn.Module) -> int:
@@ -110,3 +130,23 @@ def resident_bytes(model: nn.Module) -> int:
         if isinstance(joined, QuantLinear):
             total += joined.nbytes()
     return total
+
+
+def weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(resident, mapped) bytes of `model`'s weights: what it holds in memory, and what are views
+    of a map (held by the page cache, dropped and read again as memory requires)."""
+    maps = getattr(model, "streamed_weights", frozenset())
+    resident = mapped = 0
+    for b in quantized_blocks(model):
+        resident += b.nbytes()
+        mapped += b.held_bytes() if b.mapped else 0
+    seen = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_meta or t.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(t.untyped_storage().data_ptr())
+        if t.untyped_storage().data_ptr() in maps:
+            mapped += t.nbytes
+        else:
+            resident += t.nbytes
+    return resident, mapped

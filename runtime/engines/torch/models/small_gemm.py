@@ -26,7 +26,6 @@ threads 1.71x faster at equal lengths and 1.54x mixed; at one thread no measurab
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import torch
@@ -82,13 +81,9 @@ def measure() -> dict:
 
 def forced_kernel(variable: str, kernels: tuple[str, ...]) -> str | None:
     """The kernel the environment variable names (None where unset); any other value is refused."""
-    from runtime.base.errors import SpillpackError
+    from runtime.base.errors import env_choice
 
-    chosen = os.environ.get(variable, "").strip().lower()
-    if chosen and chosen not in kernels:
-        raise SpillpackError(f"{variable}={os.environ[variable]!r} is not {' or '.join(kernels)}",
-                             f"{variable}={kernels[0]}, or unset it")
-    return chosen or None
+    return env_choice(variable, kernels)
 
 
 def _choice() -> tuple[str | None, dict | None]:

@@ -1,5 +1,6 @@
-"""Whether the torch engine loads a model's weights in quantized blocks, and its head dense: decided
-once per model (TorchEngine caches it), so the memory plan and the load agree.
+"""How the torch engine's weights lie in memory: resident, in quantized blocks (and the head dense),
+or streamed from the file's map. Decided once per model (TorchEngine caches it, WeightPlacement), so
+the memory plan and the load agree.
 
 A GGUF with quantized weights, on a CPU, is kept in its blocks where quant_linear.keeps_quantized
 says so (its layers as fast as a dense copy, its dense copy over half the job's memory, or
@@ -38,3 +39,40 @@ def decide(engine, model_dir) -> tuple[bool, str | None, bool]:
         fast = fast_kernel(quantized_types(path, head), rows, c["hidden_size"], engine.base_dtype)
     keeps, why = keeps_quantized(base_params(c) * size, memory, fast)
     return keeps, f"{why}; {head_why}" if keeps else why, keeps and head
+
+
+class WeightPlacement:
+    """TorchEngine's decisions on how a model's weights lie (`_quantized`, `_streamed`: its caches)."""
+
+    def keeps_quantized(self, model_dir) -> bool:
+        """Whether load_model keeps this model's weights quantized: a GGUF with quantized weights, on
+        a CPU, where its dense copy would not fit half the memory the job may use, or as
+        SPILLPACK_QUANT_GEMM says (quant_linear.keeps_quantized). Decided once per model (plan and load agree)."""
+        return self.quantized_why(model_dir)[0]
+
+    def quantized_why(self, model_dir) -> tuple[bool, str | None]:
+        return self._quantized_load(model_dir)[:2]
+
+    def dense_head(self, model_dir) -> bool:
+        """Whether a quantized load dequantizes the head's weight (quant_linear.dense_head)."""
+        return self._quantized_load(model_dir)[2]
+
+    def _quantized_load(self, model_dir) -> tuple[bool, str | None, bool]:
+        key = str(model_dir.path)
+        if key not in self._quantized:
+            self._quantized[key] = decide(self, model_dir)
+        return self._quantized[key]
+
+    def stream_why(self, model_dir, resident_peak_gb: float | None = None, available_gb: float = 0.0,
+                   source: str = "") -> tuple[bool, str]:
+        """(streamed from the file's map, why): resident where the plan with the weights resident fits
+        the memory the job may use, as runtime.models.mapped.choice says; decided once per model by
+        the row job's plan (sizing.plan_rows), so plan and load agree (unplanned: SPILLPACK_WEIGHTS)."""
+        from runtime.models.mapped import choice
+
+        key = str(model_dir.path)
+        if key not in self._streamed:
+            if resident_peak_gb is None:
+                resident_peak_gb, available_gb, source = 0.0, float("inf"), "no plan"
+            self._streamed[key] = choice(resident_peak_gb, available_gb, source, self.device.type == "cpu", self.name)
+        return self._streamed[key]
