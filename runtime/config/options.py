@@ -209,7 +209,8 @@ TUNE = (
     Opt("seed", 0, int, help="seed for LoRA init and batch order", min=0, max=SEED_MAX),
     Opt("ckpt_every", 50, int, help="commit a checkpoint every N steps", min=1),
     Opt("init_adapter", None, metavar="SRC",
-        help="start from this LoRA adapter (a PEFT or mlx-lm adapter directory, or a spillpack state: path or s3://); "
+        help="start from this LoRA adapter (a PEFT or mlx-lm adapter directory, a LoRA adapter GGUF, or a spillpack state: "
+             "path or s3://); "
              "its rank, alpha and targets are the job's"),
     Opt("val", None, metavar="FILE", help="held-out rows (same format as the data) for a validation loss"),
     Opt("val_fraction", None, float, above=0, below=1, metavar="F",
@@ -241,7 +242,8 @@ SHARDING = (
 _ROW_COMMON = (
     QUANTIZE,
     Opt("adapter", None, repeat=True, metavar="[NAME=]SRC",
-        help="a LoRA adapter to answer with (a PEFT or mlx-lm adapter directory or a tune's state: path or s3://); "
+        help="a LoRA adapter to answer with (a PEFT or mlx-lm adapter directory, a LoRA adapter GGUF or a tune's state: "
+             "path or s3://); "
              "NAME=SRC, repeatable, serves many in one batch, each row choosing by its body.model (the base by the model's name; "
              "four adapters' rows: examples/data/adapters.jsonl)"),
     Opt("out", None, help="also write the results file here", metavar="FILE"),

@@ -1,7 +1,8 @@
 """`--adapter` of the row jobs (run, eval, distill): one plain `--adapter SRC`, or many named
 ones, `--adapter NAME=SRC` (repeatable), that rows choose between by their `body.model`.
 
-SRC is a PEFT adapter directory, an mlx-lm adapter directory or a spillpack tune state, a path
+SRC is a PEFT adapter directory, an mlx-lm adapter directory, a LoRA adapter GGUF (llama.cpp's
+`--lora` file) or a spillpack tune state, a path
 or s3://, read and checked against the base by --init-adapter's own loader (init_adapter.py):
 every tensor a LoRA pair of a linear this base has, in its shape, and the base the adapter
 records, where it records one.

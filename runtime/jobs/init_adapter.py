@@ -1,8 +1,9 @@
 """`tune --init-adapter SRC`: continue training an existing LoRA adapter.
 
 SRC is a PEFT adapter directory (adapter_config.json + adapter_model.safetensors), an mlx-lm
-adapter directory (adapter_config.json with lora_parameters + adapters.safetensors), or a
-spillpack state (its finished adapter/, else its newest checkpoint), each as a path or s3://.
+adapter directory (adapter_config.json with lora_parameters + adapters.safetensors), a LoRA
+adapter GGUF (llama.cpp's `--lora` file, runtime.models.gguf.adapter), or a spillpack state (its
+finished adapter/, else its newest checkpoint), each as a path or s3://.
 
 PEFT loads whatever matches and stays silent about the rest, so a wrong base wastes a whole
 run. Here every tensor must be a LoRA pair of a linear the base has, shaped for it, and the
@@ -45,6 +46,13 @@ def load(src: str, model_dir, o: dict, own_state: str | None = None) -> InitAdap
     `own_state`: this job's --state URI, which SRC must not be (that is a plain resume)."""
     if own_state is not None and _same_place(src, own_state):
         raise SpillpackError(f"--init-adapter {src} is this job's own --state", "the same command without --init-adapter to continue it")
+    gguf = _gguf_file(src)
+    if gguf is not None:
+        adapter = _from_gguf(src, gguf, model_dir)
+        check_tensors(src, adapter.tensors, adapter.spec, model_dir.config)
+        check_options(src, adapter.spec, o)
+        adapter.targets = ",".join(adapter.spec.targets)
+        return adapter
     store = open_store(src)
     if store.read("job.json") is not None:
         adapter = _from_state(src, store, model_dir)
@@ -52,7 +60,7 @@ def load(src: str, model_dir, o: dict, own_state: str | None = None) -> InitAdap
         files = set(store.list(""))
         if PEFT_CONFIG not in files:
             raise SpillpackError(f"--init-adapter {src} is not a LoRA adapter: no {PEFT_CONFIG} (a PEFT or mlx-lm adapter directory, "
-                                 "or a spillpack state)", f"ls {src}")
+                                 "a LoRA adapter GGUF, or a spillpack state)", f"ls {src}")
         cfg = _json(store, PEFT_CONFIG, src)
         if "lora_parameters" in cfg or MLX_WEIGHTS in files and PEFT_WEIGHTS not in files:
             adapter = _from_mlx(src, store, cfg, model_dir)
@@ -126,6 +134,44 @@ def _from_peft(src: str, store, cfg: dict) -> InitAdapter:
         raise SpillpackError(f"--init-adapter {src}: tensor {bad} is not a LoRA A or B weight", "an adapter with LoRA tensors only")
     spec = LoraSpec(spec.rank, spec.alpha, _targets_of(tensors))
     return InitAdapter(tensors, spec, _digest(tensors, spec), "peft")
+
+
+def _gguf_file(src: str):
+    """A context giving the local path of SRC where SRC is one GGUF file (a path, or an s3:// key
+    fetched to a temporary file), else None."""
+    import contextlib
+
+    from runtime.models.gguf import SUFFIX, is_gguf_file
+    from runtime.state.store import local_file
+
+    path = local_file(src)
+    if path is not None:
+        return contextlib.nullcontext(path) if is_gguf_file(path) else None
+    if not src.rstrip("/").lower().endswith(SUFFIX):
+        return None
+
+    @contextlib.contextmanager
+    def fetched():
+        parent, _, key = src.rpartition("/")
+        with tempfile.TemporaryDirectory(prefix="spillpack-adapter-") as tmp:
+            local = Path(tmp) / key
+            if not open_store(parent).get_file(key, local):
+                raise SpillpackError(f"--init-adapter {src} does not exist", f"aws s3 ls {parent}/")
+            yield local
+    return fetched()
+
+
+def _from_gguf(src: str, opened, model_dir) -> InitAdapter:
+    from runtime.models.gguf.adapter import read_lora
+
+    with opened as path:
+        tensors, alpha, _ = read_lora(path, model_dir.config, "--init-adapter")
+    ranks = {v.shape[0] for k, v in tensors.items() if k.endswith("lora_A.weight")}
+    if len(ranks) != 1:
+        raise SpillpackError(f"--init-adapter {src}: its lora_a tensors have ranks {sorted(ranks)}, not one rank",
+                             "an adapter GGUF of one LoRA")
+    spec = LoraSpec(ranks.pop(), alpha, _targets_of(tensors))
+    return InitAdapter(tensors, spec, _digest(tensors, spec), "gguf")
 
 
 def _from_mlx(src: str, store, cfg: dict, model_dir) -> InitAdapter:
