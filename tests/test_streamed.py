@@ -124,3 +124,34 @@ def test_smollm2_streamed_logits_are_the_resident_loads_bit_for_bit(monkeypatch)
         a = load_model(md, torch.float32, streamed=True)(ids)
         b = load_model(md, torch.float32, quantized=True)(ids)
     assert torch.equal(a, b), float((a - b).abs().max())
+
+
+def test_max_mem_gb_below_the_resident_plan_streams_and_too_small_is_one_line(tmp_path, home):
+    """--max-mem-gb decides as a limit of that size would: SmolLM2's Q4_1 GGUF resident without it,
+    streamed with the same answers under a cap between the streamed and the resident plan, and a
+    cap below even the streamed one is the one line naming the minimum, with no state written."""
+    from tests.support.real_model import smollm2_gguf
+
+    model = smollm2_gguf()
+    rows = rows_file(tmp_path / "rows.jsonl", PROMPTS[:3], max_tokens=8)
+    def capped(name, cap):
+        out = tmp_path / f"{name}.jsonl"
+        r = run_cli(["run", str(model), str(rows), "--name", name, "--state", str(tmp_path / f"state-{name}"), "--out", str(out),
+                     "--dtype", "float32", "--max-mem-gb", str(cap)], env={"SPILLPACK_THREADS": "1"})
+        assert r.returncode == 0, r.stderr
+        start = next(e for e in events_of(r.stdout) if e["event"] == "start")
+        return [json.loads(x)["response"]["body"]["choices"][0]["message"]["content"] for x in out.read_text().splitlines()], start
+
+    # 0.6 GB: the float32 copy (0.54 GB) is over half of it, so the blocks stay quantized, resident.
+    resident, start = capped("resident", 0.6)
+    plan = start["memory_plan"]
+    assert plan["weights"] == "resident" and 0.05 < plan["resident_gb"] < 0.2 and "quantized" in start["weights_why"], start
+    cap = round(start["estimated_peak_gb"] - plan["resident_gb"] / 2, 3)  # the resident plan does not fit, a streamed one does
+    streamed, start = capped("streamed", cap)
+    plan = start["memory_plan"]
+    assert plan["weights"] == "streamed" and f"{cap:.2f} GB this job may use (--max-mem-gb)" in plan["weights_why"], plan
+    assert streamed == resident and any(resident)
+    r = run_cli(["run", str(model), str(rows), "--name", "small", "--state", str(tmp_path / "state-small"), "--max-mem-gb", "0.05"])
+    line = one_line(r, "run needs at least", "even with its weights streamed from the file", "--max-mem-gb allows 0.05 GB",
+                    "Try: the same command with --max-mem-gb")
+    assert not (tmp_path / "state-small").exists(), line

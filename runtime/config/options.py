@@ -254,6 +254,9 @@ _ROW_COMMON = (
     Opt("batch", 8, int, help="rows generated at once", min=1),
     Opt("commit_rows", 32, int, help="commit finished rows at least every N rows", min=1),
     Opt("commit_seconds", 30.0, float, help="... and at least every T seconds", above=0),
+    Opt("max_mem_gb", None, float, per_run=True, above=0, metavar="N",
+        help="use at most N GB (default: the memory this machine, or its cgroup, leaves free): weights that do not fit "
+             "with the rows are streamed from the model's file"),
     *SHARDING,
 )
 

@@ -110,7 +110,7 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
         identity["shards"] = split.count
     shard = shards.shard_identity(identity, split, len(rows)) if split.count > 1 and split.index is not None else None
     # Sized before the state is opened: a memory too small even to stream the weights leaves nothing behind.
-    check_streaming_floor(task.command, choose_engine(o.get("engine"))[0], model_dir, rows, o["batch"])
+    check_streaming_floor(task.command, choose_engine(o.get("engine"))[0], model_dir, rows, o["batch"], o.get("max_mem_gb"))
     with Job.open(inv, identity, events, shard=shard) as job:
         if split.count > 1:
             return _run_shard(job, inv, events, task, rows, split, (tokenizer, model_dir, adapters, job_key))
@@ -146,7 +146,7 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     # The engine first, as a tune's: its dtype and what the process holds with torch imported
     # size the memory plan. Importing torch is never abandoned midway, a stop waits for it.
     engine = (job.open_engine(dtype=o.get("dtype"), width=model_dir.config.get("hidden_size"), shape=model_dir.config,
-                              quantize=o.get("quantize"))
+                              quantize=o.get("quantize"), max_mem_gb=o.get("max_mem_gb"))
               if generating else None)
     plan = plan_rows(job.engine_name, engine, model_dir, work.todo, o["batch"]) if generating else None
     kept = getattr(engine, "quantized_why", lambda _: (False, None))(model_dir)[1] if generating else None

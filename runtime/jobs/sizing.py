@@ -123,7 +123,7 @@ def plan_rows(engine_name: str, engine, model_dir, todo, batch: int) -> Generati
     the engine open: what the process holds now (the framework imported) is measured, not guessed.
     Where the engine can stream (stream_why), the weights are resident if that plan fits the
     memory the job may use, else streamed from the file, and the plan is the streamed one."""
-    available, source, held = memory_for(engine_name)
+    available, source, held = memory_for(engine_name, getattr(engine, "max_mem_gb", None))
     runtime_gb = 0.0 if engine_name == "torch-cuda" else held + GENERATION_RUNTIME_GB  # CUDA: the allocator's count only
     files = weight_files(model_dir.path)
     params = sum(math.prod(shape) for shape in tensor_shapes(files).values())
@@ -154,7 +154,7 @@ def _shape(todo, batch: int) -> tuple[int, int, int]:
 FRAMEWORK_BOUND_GB = 1.0
 
 
-def check_streaming_floor(command: str, engine_name: str, model_dir, rows, batch: int) -> None:
+def check_streaming_floor(command: str, engine_name: str, model_dir, rows, batch: int, cap_gb: float | None = None) -> None:
     """Before the job's state is opened: a row job on torch-cpu whose memory cannot hold even a
     streamed load (the framework, the tokenizer and rows, the KV cache, the activations, and one
     layer with its scratch) is the one line naming the minimum, and nothing is written. Counted
@@ -171,11 +171,11 @@ def check_streaming_floor(command: str, engine_name: str, model_dir, rows, batch
         return generation_plan(model_dir.config, 2, slots, max_len, longest, held + GENERATION_RUNTIME_GB,
                                streamed=streamed)
 
-    available, source, held = memory_for(engine_name)
+    available, source, held = memory_for(engine_name, cap_gb)
     if floor(held + FRAMEWORK_BOUND_GB, batch).peak_gb <= available:
         return
     load_framework(engine_name)
-    available, source, held = memory_for(engine_name)
+    available, source, held = memory_for(engine_name, cap_gb)
     plan = floor(held, batch)
     if plan.peak_gb <= available:
         return
@@ -184,6 +184,7 @@ def check_streaming_floor(command: str, engine_name: str, model_dir, rows, batch
     raise SpillpackError(
         f"{command} needs at least {need:.2f} GB even with its weights streamed from the file (the process with torch "
         f"and the tokenizer {plan.runtime_gb:.2f} GB, KV cache {plan.kv_cache_gb:.2f} GB, activations "
-        f"{plan.activations_gb:.2f} GB, one layer and its scratch {plan.layer_gb:.2f} GB); the {source} allows "
-        f"{available:.2f} GB",
-        f"the same command with --batch {smaller}" if smaller else f"a memory limit of at least {need:.2f} GB for this job")
+        f"{plan.activations_gb:.2f} GB, one layer and its scratch {plan.layer_gb:.2f} GB); "
+        f"{'--max-mem-gb' if cap_gb is not None else 'the ' + source} allows {available:.2f} GB",
+        f"the same command with --batch {smaller}" if smaller else
+        f"the same command with --max-mem-gb {need:.2f}" if cap_gb is not None else f"a memory limit of at least {need:.2f} GB for this job")

@@ -30,10 +30,9 @@ from runtime.jobs.tune_val import Validation
 from runtime.engines import OptimSpec
 from runtime.engines.registry import dtype_fields, get_engine, sharded_session
 from runtime.core.job import Job, Outcome, state_uri
-from runtime.engines.hardware import engine_rate
+from runtime.engines.hardware import choose_engine, engine_rate
 from runtime.models.ref import resolve_model
 from runtime.base.signals import Abandon
-from runtime.engines.hardware import choose_engine
 from runtime.base.errors import SpillpackError
 from runtime.jobs import estimate
 from runtime.jobs.sizing import plan_shards
@@ -87,12 +86,17 @@ def prepare(inv):
     order = BatchOrder([len(e.ids) for e in data.examples], o["batch"], o["grad_accum"], o["seed"])
     total = order.steps_for(o.get("steps"), o.get("epochs"))
     engine_name, reason = choose_engine(o.get("engine"))
-    engine = get_engine(engine_name, o.get("dtype"), width=model_dir.config.get("hidden_size"), training=True, quantize=o.get("quantize"))
+    engine = _engine(engine_name, o, model_dir)
     engine_rate(engine_name, engine.describe()["dtype"])  # measured (once per machine) before the engine counts its peak memory
     # Sized before the state is opened: a job refused here leaves no state behind that would
     # refuse the corrected command (a shorter --max-seq is another job).
     plan = plan_shards(engine_name, engine, model_dir, spec, data, order, total, o)
     return model_dir, tokenizer, data, spec, tensors, order, total, engine, plan, val_data, init
+
+
+def _engine(name: str, o: dict, model_dir, kept: str | None = None):
+    return get_engine(name, o.get("dtype"), width=model_dir.config.get("hidden_size"), kept=kept, training=True,
+                      quantize=o.get("quantize"), max_mem_gb=o.get("max_mem_gb"))
 
 
 def plan_only(inv, events) -> Outcome:
@@ -129,11 +133,10 @@ def main(inv, events) -> Outcome:
     if val_data is not None:  # only then: a state written without validation keeps its identity
         identity["val"] = {"sha256": val_data.sha256 if o.get("val") else None, "fraction": o.get("val_fraction"),
                            "eval_every": o["eval_every"], "early_stop": o.get("early_stop")}
-    with Job.open(inv, identity, events, upgrade=upgrade_identity) as job:
+    with Job.open(inv, identity, events, upgrade=tune_checkpoint.upgrade_identity) as job:
         if job.engine_dtype(o.get("dtype"))[0] not in (None, engine.describe()["dtype"]):
             # A resume of a job begun on another dtype than the policy picks now: it keeps its own.
-            engine = get_engine(job.engine_name, o.get("dtype"), width=model_dir.config.get("hidden_size"), kept=job.kept_dtype, training=True,
-                                quantize=o.get("quantize"))
+            engine = _engine(job.engine_name, o, model_dir, job.kept_dtype)
             plan = plan_shards(job.engine_name, engine, model_dir, spec, data, order, total, o)
         if job.writer:
             job.state.log("plan", **plan.to_dict())
@@ -198,21 +201,6 @@ def main(inv, events) -> Outcome:
             if o.get("gguf"):
                 summary["gguf"] = o["gguf"]
         return job.done(work.done, complete, stopped_early=stopped_early if val is not None else None, **summary)
-
-
-def upgrade_identity(old: dict, uri: str) -> dict:
-    """States written before the effective batch became the identity named --batch and
-    --grad-accum. With --grad-accum 1 their batch order is this version's, so they continue;
-    with more it grouped examples by --batch, which this version does not reproduce."""
-    if "effective_batch" in old or "batch" not in old:
-        return old
-    if old.get("grad_accum", 1) != 1:
-        raise SpillpackError(f"state {uri} was written by an older spillpack with --grad-accum {old['grad_accum']}, "
-                             f"whose batch order this version does not reproduce",
-                             f"another --state to run the job again (or delete {uri} to start over)")
-    new = {k: v for k, v in old.items() if k not in ("batch", "grad_accum")}
-    new["effective_batch"] = old["batch"]
-    return new
 
 
 class TuneWork:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import orjson
 from safetensors.numpy import load as st_load
 
+from runtime.base.errors import SpillpackError
+
 CHECKPOINT_TENSORS = "state.safetensors"
 CHECKPOINT_META = "meta.json"
 
@@ -36,3 +38,18 @@ def read(state, latest) -> dict:
     return {"step": latest.step, "losses": restored_losses(state, latest), "uri": state.commit_uri(latest),
             "tensors": st_load(state.read_file(latest, CHECKPOINT_TENSORS)),
             "val": orjson.loads(state.read_file(latest, CHECKPOINT_META)).get("val")}
+
+
+def upgrade_identity(old: dict, uri: str) -> dict:
+    """States written before the effective batch became the identity named --batch and
+    --grad-accum. With --grad-accum 1 their batch order is this version's, so they continue;
+    with more it grouped examples by --batch, which this version does not reproduce."""
+    if "effective_batch" in old or "batch" not in old:
+        return old
+    if old.get("grad_accum", 1) != 1:
+        raise SpillpackError(f"state {uri} was written by an older spillpack with --grad-accum {old['grad_accum']}, "
+                             f"whose batch order this version does not reproduce",
+                             f"another --state to run the job again (or delete {uri} to start over)")
+    new = {k: v for k, v in old.items() if k not in ("batch", "grad_accum")}
+    new["effective_batch"] = old["batch"]
+    return new

@@ -316,8 +316,9 @@ class TorchEngine(WeightPlacement):
 
     def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | str | None = None,
                  width: int | None = None, why: str | None = None, training: bool = False, shape: dict | None = None,
-                 quantize: str | None = None):
+                 quantize: str | None = None, max_mem_gb: float | None = None):
         self.name = name
+        self.max_mem_gb = max_mem_gb  # --max-mem-gb: the memory the job may use, where it is less than the machine's
         base_dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) else base_dtype
         self.device = torch.device(device if device is not None else ("cuda" if name == "torch-cuda" else "cpu"))
         make_deterministic(self.device)  # before anything of this engine reaches the device

@@ -30,7 +30,7 @@ def decide(engine, model_dir) -> tuple[bool, str | None, bool]:
     if path is None or not quantized_types(path):
         return False, None, False
     size = torch.empty((), dtype=engine.base_dtype).element_size()
-    memory = memory_for(engine.name)[0] * 2**30
+    memory = memory_for(engine.name, engine.max_mem_gb)[0] * 2**30
     head, head_why = dense_head(resident_bytes(path, size, dense_head=True), memory)
     c = model_dir.config
     fast = None
