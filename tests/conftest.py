@@ -75,6 +75,30 @@ def gguf_family(tmp_path_factory, tiny_home):
     return get
 
 
+@pytest.fixture(scope="session")
+def gguf_oracle(tmp_path_factory, tiny_home):
+    """family -> (GGUF path, ModelDir, transformers model, transformers tokenizer): a random GGUF of
+    that family (a `mistral` one named like Mistral) read by transformers' own GGUF loader, the
+    oracle of tests/test_gguf_models.py and tests/test_gguf_placements.py, built once per session."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            from runtime.models.ref import resolve_model
+            from runtime.models.tiny import ensure_tiny
+            from tests.support.gguf_files import load_transformers, write_family
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("SPILLPACK_HOME", str(tiny_home))
+                path = tmp_path_factory.mktemp("gguf") / f"{name}.gguf"
+                write_family(name, path, ensure_tiny(), model_name="Mistral-7B-Instruct test" if name == "mistral" else None)
+                hf, tok = load_transformers(path)
+                built[name] = path, resolve_model(str(path)), hf, tok
+        return built[name]
+
+    return get
+
+
 @pytest.fixture
 def home(tmp_path, tiny_home, monkeypatch) -> Path:
     """A fresh SPILLPACK_HOME holding the tiny model."""

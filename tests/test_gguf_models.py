@@ -9,36 +9,23 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.gguf_files import FAMILIES, load_transformers, write_family
+from tests.support.gguf_files import FAMILIES
 from runtime.engines.registry import get_engine
 from runtime.models.gguf.reader import read_gguf
 from runtime.models.gguf.tensors import SUPPORTED_TYPES
-from runtime.models.ref import resolve_model
 from runtime.models.tokenizer import Tokenizer
 from runtime.models.tiny import ensure_tiny
 
 mx = pytest.importorskip("mlx.core")
-pytestmark = pytest.mark.xdist_group("gguf_models")  # one worker: each file written and loaded once
+pytestmark = pytest.mark.xdist_group("gguf_models")  # one worker (with test_gguf_placements): each file written and loaded once
 TOL = 1e-4
 NAMES = sorted(FAMILIES)
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory, tiny_home):
-    """name -> (GGUF path, ModelDir, transformers model, transformers tokenizer), built once."""
-    built = {}
-
-    def get(name):
-        if name not in built:
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("SPILLPACK_HOME", str(tiny_home))
-                path = tmp_path_factory.mktemp("gguf") / f"{name}.gguf"
-                write_family(name, path, ensure_tiny(), model_name="Mistral-7B-Instruct test" if name == "mistral" else None)
-                hf, tok = load_transformers(path)
-                built[name] = path, resolve_model(str(path)), hf, tok
-        return built[name]
-
-    return get
+def family(gguf_oracle):
+    """name -> (GGUF path, ModelDir, transformers model, transformers tokenizer), built once (conftest)."""
+    return gguf_oracle
 
 
 def test_every_supported_type_is_covered(family):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, events_of, run_cli
-from tests.support.gguf_files import load_transformers, real_model_path
+from tests.support.gguf_files import hf_greedy, load_transformers, real_model_path
 from tests.support.jobproc import run_until
 from runtime.engines.registry import get_engine
 from runtime.models.lora import load_adapter
@@ -143,13 +143,6 @@ def test_chat_template_matches_transformers(real):
             assert text == tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
             assert tk.encode(text) == tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True,
                                                               return_dict=True)["input_ids"]
-
-
-def hf_greedy(hf, tok, messages, max_new):
-    enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    with torch.no_grad():
-        out = hf.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
-    return enc["input_ids"].shape[1], out[0, enc["input_ids"].shape[1]:].tolist()
 
 
 @pytest.mark.slow

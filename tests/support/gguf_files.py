@@ -189,6 +189,15 @@ def load_transformers(path: Path):
     return model, tok
 
 
+def hf_greedy(hf, tok, messages, max_new):
+    """transformers' greedy continuation of a chat under the tokenizer's own template:
+    (prompt tokens, the new token ids)."""
+    enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = hf.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+    return enc["input_ids"].shape[1], out[0, enc["input_ids"].shape[1]:].tolist()
+
+
 SP_WORDS = ("the quick brown fox jumps over lazy dog hello world this is a test of sentence piece tokens with "
             "some longer words like tokenization and unbelievable café naïve").split()
 

@@ -16,8 +16,9 @@ import torch
 def decide(engine, model_dir) -> tuple[bool, str | None, bool]:
     """(kept quantized, why, the head dense) for `model_dir` on `engine` (a TorchEngine)."""
     from runtime.engines.hardware import memory_for
-    from runtime.engines.torch.models.quant_linear import dense_head, fast_kernel, keeps_quantized
-    from runtime.models.gguf.model import find_gguf, quantized_types, resident_bytes
+    from runtime.engines.torch.models.quant_linear import ENV, dense_head, fast_kernel, forced_kernel, keeps_quantized, not_on_blocks
+    from runtime.models.gguf.model import find_gguf, float_types, quantized_types, resident_bytes
+    from runtime.models.gguf.tensors import QUANTIZED
     from runtime.models.memory import base_params
     from runtime.models.quantize import TYPES, refuse_gguf
 
@@ -27,8 +28,14 @@ def decide(engine, model_dir) -> tuple[bool, str | None, bool]:
             refuse_gguf(next(k for k, v in TYPES.items() if v == engine.quantize), str(model_dir.path))
         return True, (f"quantized at load to {engine.quantize} blocks (--quantize); the head kept dense, as it "
                       f"multiplies every row of the vocabulary at every step"), True
-    if path is None or not quantized_types(path):
+    if path is None:
         return False, None, False
+    if not quantized_types(path):  # a float file: nothing to keep in blocks (said where a kernel was forced)
+        forced = forced_kernel()
+        if forced in (None, "dense"):
+            return False, None, False
+        return False, (f"dense: its weights are {', '.join(sorted(float_types(path)))}, float types with no blocks to "
+                       f"keep ({ENV}={forced} applies to {', '.join(QUANTIZED)})"), False
     size = torch.empty((), dtype=engine.base_dtype).element_size()
     memory = memory_for(engine.name, engine.max_mem_gb)[0] * 2**30
     head, head_why = dense_head(resident_bytes(path, size, dense_head=True), memory)
@@ -38,6 +45,8 @@ def decide(engine, model_dir) -> tuple[bool, str | None, bool]:
         rows = c.get("intermediate_size") or c.get("moe_intermediate_size") or c["hidden_size"]
         fast = fast_kernel(quantized_types(path, head), rows, c["hidden_size"], engine.base_dtype)
     keeps, why = keeps_quantized(base_params(c) * size, memory, fast)
+    if keeps:  # the types without a kernel of their own (a forced int4pack's others, float weights) say how they run
+        why += not_on_blocks(quantized_types(path), float_types(path), engine.base_dtype)
     return keeps, f"{why}; {head_why}" if keeps else why, keeps and head
 
 

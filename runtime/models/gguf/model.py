@@ -90,6 +90,18 @@ def quantized_types(path, dense_head: bool = False) -> dict[str, int]:
     return resident_bytes(open_gguf(path), 4, dense_head)[1]
 
 
+def float_types(path) -> dict[str, int]:
+    """Float type (F32, F16, BF16) -> count of the 2-D weights stored so: what no load keeps in blocks."""
+    from runtime.models.gguf.tensors import IGNORED, QUANTIZED, type_name
+
+    out: dict[str, int] = {}
+    for info in open_gguf(path).tensors.values():
+        kind = type_name(info.ggml_type)
+        if info.name not in IGNORED and len(info.shape) >= 2 and kind not in QUANTIZED:
+            out[kind] = out.get(kind, 0) + 1
+    return out
+
+
 def resident_bytes(path, float_bytes: int, dense_head: bool = False) -> int:
     """The weights' bytes in memory under a quantized load (the rest, and the head with
     `dense_head`, dense at `float_bytes`)."""

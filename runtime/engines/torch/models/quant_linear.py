@@ -167,6 +167,22 @@ def keeps_quantized(dense_bytes: int, memory_bytes: float, fast: str | None = No
                    f"{memory_bytes / 2**30:.1f} GB this job may use ({ENV}=quantized keeps it quantized)")
 
 
+def not_on_blocks(kinds, floats, dtype) -> str:
+    """What of a file kept quantized does not multiply on a quantized kernel, for the start event's
+    why ("" where nothing): its float weights (`floats`: type -> count), held dense in `dtype`, and
+    with SPILLPACK_QUANT_GEMM=int4pack the quantized `kinds` that kernel does not take, dequantized
+    a chunk of rows at a time into the scratch."""
+    notes = []
+    other = sorted(set(kinds) - set(INT4PACK_TYPES))
+    if forced_kernel() == "int4pack" and other:
+        notes.append(f"{', '.join(other)} {'have' if len(other) > 1 else 'has'} no int4pack kernel: dequantized a chunk "
+                     f"of rows at a time into the scratch")
+    if floats:
+        notes.append(f"the {', '.join(sorted(floats))} weights dense in {str(dtype).removeprefix('torch.')} (a float type "
+                     f"has no blocks)")
+    return "".join(f"; {n}" for n in notes)
+
+
 def fast_kernel(kinds, rows: int, cols: int, dtype) -> str | None:
     """"<types> on int4pack" where every quantized layer (`kinds`, the head aside) is Q4_0/Q4_1 and
     the int4pack kernel is the one measured faster here for a (rows, cols) layer of the model: in
