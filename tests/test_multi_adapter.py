@@ -8,6 +8,7 @@ import signal
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load as st_load
 
 from tests.conftest import events_of, one_line, run_cli
 from tests.support.hf_fixtures import make_family
@@ -212,6 +213,12 @@ def test_eval_scores_every_adapter_and_the_base_in_one_pass(four):
         assert s["correct"] == sum(x["correct"] for x in mine) and s["accuracy"] == round(s["correct"] / 6, 6)
         assert s["ci95"][0] <= s["accuracy"] <= s["ci95"][1]
     assert done["accuracy"] == scores["tiny"]["accuracy"]
+    # The memory plan counts one base plus each adapter's tensors, float32 as the engine holds them.
+    plan = next(e for e in events_of(r.stdout) if e["event"] == "start")["memory_plan"]
+    held = sum(4 * v.size for i in (0, 1) for v in st_load((tmp / f"ad{i}" / "adapter_model.safetensors").read_bytes()).values())
+    assert plan["adapters_gb"] == round(held / 2**30, 6) > 0
+    parts = ("weights_gb", "adapters_gb", "kv_cache_gb", "activations_gb", "runtime_gb", "layer_gb")
+    assert abs(plan["estimated_peak_gb"] - sum(plan[k] for k in parts)) < 0.004
     table = r.stderr.splitlines()
     assert any(line.startswith("tiny (base)") for line in table) and any(line.startswith("a1 ") for line in table)
 

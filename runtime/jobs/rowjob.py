@@ -148,7 +148,8 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     engine = (job.open_engine(dtype=o.get("dtype"), width=model_dir.config.get("hidden_size"), shape=model_dir.config,
                               quantize=o.get("quantize"), max_mem_gb=o.get("max_mem_gb"))
               if generating else None)
-    plan = plan_rows(job.engine_name, engine, model_dir, work.todo, o["batch"]) if generating else None
+    adapter, per_row = adapters_of.for_engine(adapters, work.todo) if generating else (None, False)
+    plan = plan_rows(job.engine_name, engine, model_dir, work.todo, o["batch"], adapter) if generating else None
     kept = getattr(engine, "quantized_why", lambda _: (False, None))(model_dir)[1] if generating else None
     if plan is not None and plan.weights == "streamed":
         kept = plan.weights_why  # the blocks are the map's: the quantized choice does not apply
@@ -159,7 +160,6 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
                 message=f"{task.command} {a[task.model_arg]} on {a[task.input_arg]}{label}: {len(work.todo)} of {total} rows to generate "
                         f"({len(work.lines)} done or failed, up to {gen_tokens} new tokens) in batches of {o['batch']} "
                         f"on {job.engine_name}{'; ' + plan.describe() if plan else ''}; state at {state.uri}")
-    adapter, per_row = adapters_of.for_engine(adapters, work.todo) if generating else (None, False)
     if per_row and job.engine_name == "mlx":
         raise SpillpackError("the mlx engine answers with one adapter per job, and these rows ask for "
                              f"{len({r.adapter for r in work.todo})} models (named adapters and the base)",

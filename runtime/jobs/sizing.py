@@ -12,8 +12,8 @@ from runtime.base import ranks
 from runtime.engines.hardware import load_framework, memory_for
 from runtime.base.errors import SpillpackError, UsageError
 from runtime.engines.registry import group_opener
-from runtime.models.memory import CUDA_CONTEXT_GB, GENERATION_RUNTIME_GB, STEP_RUNTIME_GB, Batch, GenerationPlan, NoFit, Plan, \
-    fit, generation_plan
+from runtime.models.generation_memory import GENERATION_RUNTIME_GB, GenerationPlan, generation_plan
+from runtime.models.memory import CUDA_CONTEXT_GB, STEP_RUNTIME_GB, Batch, NoFit, Plan, fit
 from runtime.models.mapped import forced
 from runtime.models.weights import stream_bytes, tensor_shapes, weight_files
 
@@ -118,11 +118,14 @@ def plan_shards(engine_name: str, engine, model_dir, spec, data, order, total: i
     return plan
 
 
-def plan_rows(engine_name: str, engine, model_dir, todo, batch: int) -> GenerationPlan:
+def plan_rows(engine_name: str, engine, model_dir, todo, batch: int, adapter=None) -> GenerationPlan:
     """The peak of generating `todo` (rows with prompt_ids and max_tokens) `batch` at a time, with
     the engine open: what the process holds now (the framework imported) is measured, not guessed.
     Where the engine can stream (stream_why), the weights are resident if that plan fits the
-    memory the job may use, else streamed from the file, and the plan is the streamed one."""
+    memory the job may use, else streamed from the file, and the plan is the streamed one.
+    `adapter`: what the engine loads (adapters.for_engine), counted as the engines hold it, float32."""
+    adapters_gb = sum(4 * t.size for tensors, _ in ([] if adapter is None else adapter if isinstance(adapter, list) else [adapter])
+                      for t in tensors.values()) / 2**30
     available, source, held = memory_for(engine_name, getattr(engine, "max_mem_gb", None))
     runtime_gb = 0.0 if engine_name == "torch-cuda" else held + GENERATION_RUNTIME_GB  # CUDA: the allocator's count only
     files = weight_files(model_dir.path)
@@ -131,8 +134,8 @@ def plan_rows(engine_name: str, engine, model_dir, todo, batch: int) -> Generati
     weights_bytes = quantized = None
     if getattr(engine, "keeps_quantized", lambda _: False)(model_dir):  # a GGUF's quantized weights stay in their blocks
         weights_bytes, quantized = resident(engine, model_dir)
-    plan = generation_plan(model_dir.config, dtype_bytes(engine), slots, max_len, longest, runtime_gb, params,
-                           weights_bytes, quantized)
+    plan = dataclasses.replace(generation_plan(model_dir.config, dtype_bytes(engine), slots, max_len, longest, runtime_gb, params,
+                                               weights_bytes, quantized), adapters_gb=adapters_gb)
     decide = getattr(engine, "stream_why", None)
     if decide is None:
         return plan
@@ -140,7 +143,7 @@ def plan_rows(engine_name: str, engine, model_dir, todo, batch: int) -> Generati
     if streamed:
         plan = generation_plan(model_dir.config, dtype_bytes(engine), slots, max_len, longest, runtime_gb,
                                streamed=stream_bytes(files, dtype_bytes(engine)))
-    return dataclasses.replace(plan, weights_why=why)
+    return dataclasses.replace(plan, weights_why=why, adapters_gb=adapters_gb)
 
 
 def _shape(todo, batch: int) -> tuple[int, int, int]:
