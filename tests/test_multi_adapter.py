@@ -41,11 +41,16 @@ def family_targets(config):
 
 
 def generate(engine, model_dir, tokenizer, adapter, requests, slots=4, every_slot=None):
+    """Any engine's greedy tokens per request key; `every_slot` (torch only): a GPU's decode step
+    (every slot in place, idle ones computing a throwaway token), here on the CPU."""
     from runtime.engines.generation import Generator
-    from runtime.engines.torch.decode import TorchDecoder
 
-    # every_slot: a GPU's decode step (every slot in place, idle ones computing a throwaway token), here on the CPU
-    gen = Generator(TorchDecoder(engine.load_model(model_dir, adapter), slots, 96, every_slot=every_slot), tokenizer)
+    if every_slot is None:
+        gen = engine.generator(model_dir, tokenizer, adapter, slots=slots, max_len=96)
+    else:
+        from runtime.engines.torch.decode import TorchDecoder
+
+        gen = Generator(TorchDecoder(engine.load_model(model_dir, adapter), slots, 96, every_slot=every_slot), tokenizer)
     for r in requests:
         gen.add(r)
     out = {}

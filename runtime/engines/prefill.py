@@ -44,8 +44,9 @@ class PrefixPrefill:
     """A decoder's prefill over one KV cache of slots, with a one-prompt prefix cache and chunks.
 
     `prefix_cache=False` and a chunk larger than any prefill switch the savings off (the oracles
-    that check them). The subclass holds the cache and the entry's tensors (room for max_len
-    tokens) and implements _from_entry, _to_entry, _forward, _set_lengths and _logits."""
+    that check them). The subclass holds the model, the cache and the entry's tensors (room for
+    max_len tokens), calls _adapt before each forward, and implements _from_entry, _to_entry,
+    _forward, _set_lengths and _logits."""
 
     def __init__(self, max_len: int, prefix_cache: bool, chunk_tokens: int):
         self.max_len, self.chunk_tokens = max_len, chunk_tokens
@@ -55,7 +56,7 @@ class PrefixPrefill:
         self.slot_adapter: np.ndarray | None = None  # each slot's adapter (-1: the base); None: one model for every row
 
     def use_adapters(self, slots: list[int], adapters: list[int]) -> None:
-        """The adapter each of `slots` answers with from its next prefill on (runtime/engines/torch/multi_lora.py)."""
+        """The adapter each of `slots` answers with from its next prefill on (each engine's multi_lora.py)."""
         if self.slot_adapter is None:
             self.slot_adapter = np.full(self.slots, -1, dtype=np.int64)
         self.slot_adapter[slots] = adapters
@@ -68,6 +69,13 @@ class PrefixPrefill:
         if self.slot_adapter is None:
             return None
         return np.repeat(self.slot_adapter[slots], counts)
+
+    def _adapt(self, slots: list[int], counts) -> None:
+        """Many adapters: tell the model's AdapterRows (runtime/engines/token_adapters.py) each token's
+        adapter for its next forward, `counts` tokens per slot in order. Every forward calls it."""
+        ids = self._token_adapters(slots, counts)
+        if ids is not None and getattr(self.model, "adapter_rows", None) is not None:
+            self.model.adapter_rows.set(ids)
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> Logits:
         """Start each prompt in its slot (the slot's old keys are dropped); (n, V) logits at each prompt's end."""

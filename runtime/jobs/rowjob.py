@@ -160,10 +160,6 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
                 message=f"{task.command} {a[task.model_arg]} on {a[task.input_arg]}{label}: {len(work.todo)} of {total} rows to generate "
                         f"({len(work.lines)} done or failed, up to {gen_tokens} new tokens) in batches of {o['batch']} "
                         f"on {job.engine_name}{'; ' + plan.describe() if plan else ''}; state at {state.uri}")
-    if per_row and job.engine_name == "mlx":
-        raise SpillpackError("the mlx engine answers with one adapter per job, and these rows ask for "
-                             f"{len({r.adapter for r in work.todo})} models (named adapters and the base)",
-                             "--engine torch-cpu to answer them in one batch, or one job per adapter")
     if generating:
         try:
             with job.preemption.setup():  # loading the model: a stop abandons it, nothing to save yet

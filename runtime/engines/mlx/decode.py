@@ -51,6 +51,7 @@ class MLXDecoder(PrefixPrefill):
     def _forward(self, slots: list[int], pieces: list[list[int]], offsets: list[int], width: int):
         """The pieces right-padded into one forward, appended after each slot's `offsets` cached tokens; (n, width, D)."""
         ids = mx.array([p + [0] * (width - len(p)) for p in pieces])  # (n, width)
+        self._adapt(slots, width)  # many adapters (multi_lora.py): each token's, pads included
         view = self.cache.view(slots)  # its lengths are the offsets; the model's += on them is a copy's
         hidden = self.model.hidden_states(ids, cache=view)
         # Evaluated piece by piece: a lazy graph over every chunk would hold them all at once.
@@ -65,6 +66,7 @@ class MLXDecoder(PrefixPrefill):
 
     def decode(self, slots: list[int], last: list[int]) -> np.ndarray:
         """One token for each of `slots` (its last token given); (n, V) logits."""
+        self._adapt(slots, 1)
         view = self.cache.view(slots)
         logits = self.model(mx.array(last)[:, None], cache=view)[:, -1]  # (n, V)
         self.cache.lengths[view.rows] = view.lengths

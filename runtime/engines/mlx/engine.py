@@ -13,11 +13,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from runtime.base.errors import SpillpackError
 from runtime.models.dropout import feature_keys, keep_mask, token_keys
 from runtime.models.lora import LoraSpec
 from runtime.models.memory import loss_chunk
-from runtime.engines.mlx.models import load_model
+from runtime.engines.mlx.models import load_model, submodule
 from runtime.engines import OptimSpec
 
 
@@ -63,20 +62,13 @@ class LoRALinear(nn.Module):
         return y + (self.scale * z).astype(y.dtype)
 
 
-def _submodule(model: nn.Module, path: str):
-    obj = model
-    for part in path.split("."):
-        obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part)
-    return obj
-
-
 def apply_lora(model: nn.Module, tensors: dict[str, np.ndarray], spec: LoraSpec, keys: DropoutKeys | None = None) -> dict[str, LoRALinear]:
     """Wrap each targeted linear (the model is frozen first); returns the wrappers by module name."""
     model.freeze()
     wrapped = {}
     for name in sorted({k.rsplit(".lora_", 1)[0] for k in tensors}):
         parent_name, _, child = name.rpartition(".")
-        parent = _submodule(model, parent_name)
+        parent = submodule(model, parent_name)
         A = tensors[f"{name}.lora_A.weight"]
         features = feature_keys(name, A.shape[1]) if keys is not None else None
         lora = LoRALinear(getattr(parent, child), A, tensors[f"{name}.lora_B.weight"], spec.scale, spec.dropout, keys, features)
@@ -259,12 +251,13 @@ class MLXEngine:
     def train_session(self, model_dir, spec: LoraSpec, tensors: dict, opt: OptimSpec, seed: int = 0) -> MLXTrainSession:
         return MLXTrainSession(self, model_dir, spec, tensors, opt, seed)
 
-    def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | None = None):
-        if isinstance(adapter, list):  # rowjob refuses it first, in one line: this is the engine's own guard
-            raise SpillpackError("the mlx engine answers with one adapter per job, not many in one batch",
-                                 "--engine torch-cpu for many adapters, or one job per adapter")
+    def load_model(self, model_dir, adapter: tuple[dict, LoraSpec] | list[tuple[dict, LoraSpec]] | None = None):
         model = load_model(model_dir, dtype=self.base_dtype)
-        if adapter is not None:
+        if isinstance(adapter, list):  # many adapters in one batch: each request names its own (multi_lora.py)
+            from runtime.engines.mlx.multi_lora import apply_adapters
+
+            apply_adapters(model, adapter)
+        elif adapter is not None:
             tensors, spec = adapter
             apply_lora(model, tensors, spec)
         model.eval()

@@ -81,12 +81,6 @@ class TorchDecoder(PrefixPrefill):
         self.prefix_k = zeros(entry, self.cache.k.dtype, self.device) if prefix_cache else None
         self.prefix_v = zeros(entry, self.cache.v.dtype, self.device) if prefix_cache else None
 
-    def _adapt(self, slots: list[int], counts) -> None:
-        """Many adapters (multi_lora.py): each token of the next forward's adapter, `counts` tokens per slot in order."""
-        ids = self._token_adapters(slots, counts)
-        if ids is not None and getattr(self.model, "adapter_rows", None) is not None:
-            self.model.adapter_rows.set(ids)
-
     @staticmethod
     def _host(logits: torch.Tensor) -> TorchLogits:
         return TorchLogits(logits)

@@ -5,7 +5,8 @@ A (r, in) and B (out, r) that targets it (ranks and targets may differ between a
 base product runs once for the whole batch; then each adapter present in the batch adds its
 update to its own tokens: its rows gathered, (x A^T) B^T scaled and added as LoRALinear adds it,
 scattered back. The loop is over the adapters in the batch, never over rows, and the grouping
-(which tokens belong to which adapter) is worked out once per forward, in AdapterRows, and read
+(which tokens belong to which adapter) is worked out once per forward, in AdapterRows
+(runtime/engines/token_adapters.py, shared with the MLX engine's multi_lora.py), and read
 by every wrapped linear of every layer.
 
 A token whose adapter is BASE (-1) gets no update: the base model's answer. Where every token
@@ -19,37 +20,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.engines.token_adapters import TokenAdapters
 from runtime.engines.torch.models import routed_tokens
 
-BASE = -1  # a row answered by the base model, no adapter
 
-
-class AdapterRows:
-    """Which adapter each token of the current forward belongs to, and its groups: shared by every
-    MultiLoRALinear of one model, set by the decoder before each forward (`set`)."""
+class AdapterRows(TokenAdapters):
+    """Which adapter each token of the current forward belongs to, and its groups (token_adapters.py):
+    shared by every MultiLoRALinear of one model, set by the decoder before each forward (`set`)."""
 
     def __init__(self, device):
+        super().__init__()
         self.device = device
-        self.ids = np.zeros(0, dtype=np.int64)
-        self.groups: list[tuple[int, np.ndarray, torch.Tensor]] = []  # (adapter, token rows as numpy, and on the device)
-        self.single: int | None = None  # the one adapter of every token, when there is one
 
-    def set(self, ids) -> None:
-        """`ids`: each token's adapter, in the forward's flattened (B*T) token order."""
-        self.ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        self.single, self.groups = self._grouped(self.ids)
-
-    def _grouped(self, ids: np.ndarray):
-        present = np.unique(ids)
-        if len(present) == 1:
-            return int(present[0]), []
-        groups = []
-        for a in present.tolist():
-            if a == BASE:
-                continue
-            rows = np.flatnonzero(ids == a)
-            groups.append((a, rows, torch.from_numpy(rows).to(self.device)))
-        return None, groups
+    def index(self, rows: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(rows).to(self.device)
 
     def for_tokens(self, n: int):
         """(single, groups) of the `n` tokens a call sees: the forward's, or those routed to an expert."""
@@ -57,7 +41,7 @@ class AdapterRows:
             return self.single, self.groups
         routed = routed_tokens.get()
         assert routed is not None and len(routed) == n, f"no adapter rows for {n} tokens (the forward has {len(self.ids)})"
-        return self._grouped(self.ids[routed.cpu().numpy()])
+        return self.grouped(self.ids[routed.cpu().numpy()])
 
 
 class MultiLoRALinear(nn.Module):

@@ -23,6 +23,14 @@ def model_file(arch):
     return importlib.import_module(f"{__name__}.{arch.module}")
 
 
+def submodule(model, path: str):
+    """The module at a dotted PEFT-style name (`model.layers.0.self_attn.q_proj`): list items by index."""
+    obj = model
+    for part in path.split("."):
+        obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part)
+    return obj
+
+
 def load_weights(files, dtype) -> dict:
     """Tensor by tensor: each is converted and evaluated before the next is read, so the host
     never holds the file's copy beside the converted one."""
