@@ -4,12 +4,14 @@ directory it was written from. The file is written by `gguf_write.write_adapter`
 tests/test_gguf_export.py checks against the `gguf` package's reader."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 from tests.conftest import events_of, one_line, run_cli
 from tests.support.hf_fixtures import make_family
+from tests.support.s3_fixtures import s3, s3_uri  # noqa: F401  (pytest fixtures)
 from tests.test_multi_adapter import ALL, random_adapter
 from runtime.base.errors import SpillpackError
 from runtime.jobs import init_adapter
@@ -109,3 +111,27 @@ def test_a_model_gguf_or_another_family_as_adapter_is_one_line(tiny_adapter, tmp
         w.add_tensor("blk.0.attn_q.weight", np.zeros((4, 4), np.float32))
         w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
         init_adapter.load(str(bad), resolve_model("tiny"), {})
+
+
+@pytest.mark.slow
+def test_an_adapter_gguf_on_s3_answers_as_the_local_file(tiny_adapter, tmp_path, s3, s3_uri):
+    """`--adapter s3://.../tuned.gguf` (fetched to a temporary file, then read as a local one), plain
+    and as a named adapter beside a local one, answers as the local file; nothing is left behind."""
+    import tempfile
+
+    t = tiny_adapter
+    key = s3_uri.split("/", 3)[3] + "/tuned.gguf"
+    s3.put(key, (t / "tuned.gguf").read_bytes())
+    before = set(os.listdir(tempfile.gettempdir()))
+    got = {}
+    for label, src, rows in (("local", str(t / "tuned.gguf"), "rows.jsonl"), ("s3", f"s3://{s3.bucket}/{key}", "rows.jsonl"),
+                             ("named", f"tuned=s3://{s3.bucket}/{key},other={t / 'peft'}", "named.jsonl")):
+        p = run_cli(["run", "tiny", str(t / rows), "--batch", "3", "--adapter", src, "--state", str(tmp_path / label),
+                     "--out", str(tmp_path / f"{label}.jsonl")])
+        assert p.returncode == 0, p.stderr
+        got[label] = answers(tmp_path / f"{label}.jsonl")
+    assert got["s3"] == got["local"] == got["named"] and len(got["s3"]) == 5
+    assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("spillpack-adapter-")]
+    p = run_cli(["run", "tiny", str(t / "rows.jsonl"), "--adapter", f"s3://{s3.bucket}/{key}.missing", "--state", str(tmp_path / "m")])
+    one_line(p, "--adapter")
+    assert not (tmp_path / "m" / "segments").exists()

@@ -45,18 +45,39 @@ def test_build_stopped_in_every_stage_ends_like_an_uninterrupted_one(home, tmp_p
     folder = small_folder(tmp_path / "f")
     opts = ["--steps", "4", "--max-tokens", "4", "--batch", "2", "--teacher", "tiny"]
     whole = build(folder, tmp_path / "whole", *opts)[-1]
-    assert whole["complete"] and set(whole["stages"]) == {"eval-base", "distill", "tune", "eval-tuned"}
+    assert whole["complete"] and list(whole["stages"]) == ["distill", "tune", "eval"]
+    assert set(whole["stages"]["eval"]) == {"base", "tuned"} and whole["stages"]["eval"]["tuned"]["rows"] == 6
 
     state = tmp_path / "stopped"
-    for stop in ("eval-base:3", "distill:2", "tune:2", "tune", "eval-tuned:2"):
+    for stop in ("distill:2", "tune:2", "tune", "eval:3"):
         done = build(folder, state, *opts, "--stop-after", stop)[-1]
         assert done["event"] == "done" and not done["complete"]
     evs = build(folder, state, *opts)
     assert any(e["event"] == "restore" for e in evs)
-    restored = [e["step"] for e in evs if e["event"] == "restore" and e.get("stage") == "eval-tuned"]
-    assert restored and restored[0] >= 2
-    assert sum(e["event"] == "row" for e in evs) == 6 - restored[0]  # only the rest of eval-tuned ran
+    restored = [e["step"] for e in evs if e["event"] == "restore" and e.get("stage") == "eval"]
+    assert restored and restored[0] >= 3
+    # Only the rest of the eval ran: its 6 rows once for the student and once for the tuned student.
+    assert sum(e["event"] == "row" for e in evs) == 12 - restored[0]
     assert evs[-1]["complete"] and evs[-1]["stages"] == whole["stages"]
+
+
+@pytest.mark.slow
+def test_the_eval_stage_scores_as_two_separate_evals_in_one_pass(home, tmp_path):
+    """The build's one eval pass (student and tuned student in one batch, one model load) answers
+    every row as an eval of the student alone and an eval of the tuned adapter alone do."""
+    folder = small_folder(tmp_path / "f", prompts=0)
+    opts = ["--max-tokens", "6", "--batch", "4"]
+    done = build(folder, tmp_path / "b", "--steps", "6", *opts)[-1]
+    rows = [json.loads(x) for x in (tmp_path / "b" / "stages" / "eval" / "results.jsonl").read_text().splitlines()]
+    assert [r["model"] for r in rows] == ["tiny", "tuned"] * 6
+    for model, extra in (("tiny", []), ("tuned", ["--adapter", str(tmp_path / "b" / "stages" / "tune" / "adapter")])):
+        r = run_cli(["eval", "tiny", str(folder / "evals.jsonl"), "--state", str(tmp_path / model), *opts, *extra])
+        assert r.returncode == 0, r.stderr
+        alone = [json.loads(x) for x in (tmp_path / model / "results.jsonl").read_text().splitlines()]
+        mine = [r for r in rows if r["model"] == model]
+        assert [(r["custom_id"], r["answer"], r["correct"]) for r in mine] == [(r["custom_id"], r["answer"], r["correct"]) for r in alone]
+        score = done["stages"]["eval"]["base" if model == "tiny" else "tuned"]
+        assert score["accuracy"] == events_of(r.stdout)[-1]["accuracy"] and score["rows"] == 6
 
 
 @pytest.mark.slow
@@ -68,7 +89,7 @@ def test_example_task_is_learned_and_distilled(home, tmp_path):
     for name in ("evals.jsonl", "train.jsonl"):
         shutil.copy(DATA / name, folder / name)
     done = build(folder, tmp_path / "b1", timeout=1800)[-1]
-    before, after = done["stages"]["eval-base"]["accuracy"], done["stages"]["eval-tuned"]["accuracy"]
+    before, after = done["stages"]["eval"]["base"]["accuracy"], done["stages"]["eval"]["tuned"]["accuracy"]
     assert after >= before + 0.4, (before, after)
 
     distill_folder = tmp_path / "distill"
@@ -78,7 +99,7 @@ def test_example_task_is_learned_and_distilled(home, tmp_path):
     teacher = str(tmp_path / "b1/stages/tune/adapter")
     d = build(distill_folder, tmp_path / "b2", "--teacher-adapter", teacher, timeout=1800)[-1]
     assert d["stages"]["distill"]["examples"] > 0
-    assert d["stages"]["eval-tuned"]["accuracy"] >= d["stages"]["eval-base"]["accuracy"] + 0.3, d["stages"]
+    assert d["stages"]["eval"]["tuned"]["accuracy"] >= d["stages"]["eval"]["base"]["accuracy"] + 0.3, d["stages"]
 
 
 @pytest.mark.slow
@@ -87,6 +108,6 @@ def test_build_with_a_held_out_split_scores_the_best_adapter(home, tmp_path):
     done = build(folder, tmp_path / "s", "--steps", "4", "--max-tokens", "2", "--batch", "2", "--val-fraction", "0.3")[-1]
     tune = done["stages"]["tune"]
     assert done["complete"] and tune["best_step"] in (4,) and tune["best_val_loss"] > 0 and tune["stopped_early"] is False
-    eval_tuned = json.loads((tmp_path / "s" / "stages" / "eval-tuned" / "invocation.json").read_text())
-    assert eval_tuned["options"]["adapter"].endswith("stages/tune/adapter/best")
+    eval_stage = json.loads((tmp_path / "s" / "stages" / "eval" / "invocation.json").read_text())
+    assert eval_stage["options"]["adapter"].startswith("tuned=") and eval_stage["options"]["adapter"].endswith("stages/tune/adapter/best")
     assert (tmp_path / "s" / "stages" / "tune" / "adapter" / "best" / "adapter_model.safetensors").is_file()

@@ -149,7 +149,7 @@ def test_build_runs_on_mlx_without_torch(home, no_torch, tmp_path):
     first_lines(PROMPTS, folder / "prompts.jsonl", 3)
     ev = ok(cli(["build", str(folder), "--steps", "2", "--max-tokens", "4", "--batch", "2", "--teacher", "tiny",
                  "--state", str(tmp_path / "b")], no_torch, timeout=600))
-    assert ev[-1]["complete"] and set(ev[-1]["stages"]) == {"eval-base", "distill", "tune", "eval-tuned"}
+    assert ev[-1]["complete"] and set(ev[-1]["stages"]) == {"distill", "tune", "eval"}
     assert {e["engine"] for e in ev if "engine" in e} == {"mlx"}
 
 

@@ -141,8 +141,8 @@ def test_sharded_eval_writes_the_same_files_as_an_unsharded_one(home, tmp_path):
 
 @pytest.mark.slow
 def test_sharded_build_two_workers_wait_at_each_stage_and_score_as_one(home, tmp_path):
-    """Two build workers at once: each does its shard of eval-base, shard 0 tunes while shard 1
-    waits, each does its shard of eval-tuned; the scores and files equal an unsharded build's."""
+    """Two build workers at once: shard 0 tunes while shard 1 waits, each does its shard of the
+    eval (before and after in one pass); the scores and files equal an unsharded build's."""
     import subprocess
     import sys
 
@@ -167,8 +167,8 @@ def test_sharded_build_two_workers_wait_at_each_stage_and_score_as_one(home, tmp
     # time it got there: on a loaded machine it may be).
     trained = [[e for e in events_of(out) if e["event"] == "step" and e.get("loss") is not None] for out, _ in results]
     assert trained[0] and not trained[1], [len(t) for t in trained]
-    for stage in ("eval-base", "eval-tuned"):
+    for stage in ("eval",):
         for name in ("results.jsonl", "eval.json"):
             assert (tmp_path / "st/stages" / stage / name).read_bytes() == (tmp_path / "ref/stages" / stage / name).read_bytes()
     markers = [json.loads(p.read_text()) for p in (tmp_path / "st/commits").glob("*.json")]
-    assert sorted(m["meta"]["stage"] for m in markers if m["kind"] == "stage") == ["eval-base", "eval-tuned", "tune"]
+    assert sorted(m["meta"]["stage"] for m in markers if m["kind"] == "stage") == ["eval", "tune"]

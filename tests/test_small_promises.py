@@ -45,7 +45,7 @@ def test_estimated_seconds_is_a_number_for_every_job_command(home, tmp_path, row
         "build": ["build", str(EXAMPLES), "--max-tokens", "2", "--steps", "1"],
     }
     for command, args in jobs.items():
-        r = run_cli(args + ["--state", str(tmp_path / command), "--stop-after", "eval-base:1" if command == "build" else "1"])
+        r = run_cli(args + ["--state", str(tmp_path / command), "--stop-after", "tune:1" if command == "build" else "1"])
         assert r.returncode == 0, (command, r.stderr)
         start = next(e for e in events_of(r.stdout) if e["event"] == "start")
         est = start["estimated_seconds"]
@@ -59,7 +59,7 @@ def test_a_build_stopped_by_one_signal_emits_one_preempted(home, tmp_path):
     assert rc == 75, err
     pre = [e for e in events if e["event"] == "preempted"]
     assert len(pre) == 1 and pre[0]["stage"] == "tune" and pre[0]["signal"] == "SIGTERM"
-    rc, events, err = run_until(args, lambda e: e["event"] == "row" and e.get("stage") == "eval-tuned", sig=signal.SIGHUP)
+    rc, events, err = run_until(args, lambda e: e["event"] == "row" and e.get("stage") == "eval", sig=signal.SIGHUP)
     assert rc == 75, err
     assert [e["signal"] for e in events if e["event"] == "preempted"] == ["SIGHUP"]
 

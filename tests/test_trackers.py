@@ -308,7 +308,7 @@ def test_a_build_is_one_run_with_its_stages_told_apart(home, tmp_path):
     assert r.returncode == 0, r.stderr
     acc, curve = _scalars(tmp_path / "b" / "tensorboard", "tune/train/loss")
     assert [s for s, _ in curve] == [1, 2, 3, 4, 5]
-    assert {"eval-base/accuracy", "eval-tuned/accuracy", "eval-base/rows/done"} <= set(acc.Tags()["scalars"])
+    assert {"eval/base/accuracy", "eval/tuned/accuracy", "eval/rows/done"} <= set(acc.Tags()["scalars"])
     assert not list((tmp_path / "b" / "stages").glob("*/trackers"))  # the stages log into the build's run, not runs of their own
 
 

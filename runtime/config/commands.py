@@ -10,7 +10,7 @@ from typing import Callable
 from runtime.config import options as O
 from runtime.base.errors import SpillpackError
 
-BUILD_STAGES = ("eval-base", "distill", "tune", "eval-tuned")
+BUILD_STAGES = ("distill", "tune", "eval")
 DEFAULT_RANK = 16
 DEFAULT_TARGETS = "q_proj,k_proj,v_proj,o_proj"
 

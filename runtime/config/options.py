@@ -293,9 +293,9 @@ BUILD = (
     Opt("warmup", 20, int, help="warmup steps", min=0),
     Opt("targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", help="comma-separated linear layers to adapt"),
     Opt("val_fraction", None, float, above=0, below=1, metavar="F",
-        help="the tune stage holds out this fraction of its rows; eval-tuned then scores the best adapter by held-out loss"),
+        help="the tune stage holds out this fraction of its rows; the eval stage then scores the best adapter by held-out loss"),
     Opt("early_stop", None, int, min=1, metavar="PATIENCE", help="the tune stage's --early-stop (needs --val-fraction)"),
     Opt("seed", 0, int, help="seed", min=0, max=SEED_MAX),
-    # eval and distill stages split into N shards; tune runs in shard 0 (runtime/jobs/build.py)
+    # distill and eval stages split into N shards; tune runs in shard 0 (runtime/jobs/build.py)
     *SHARDING,
 )

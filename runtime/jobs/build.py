@@ -1,5 +1,10 @@
-"""`spillpack build FOLDER`: eval the student, distill the teacher (when prompts.jsonl exists),
-tune the student on train.jsonl plus the distilled data, eval the tuned student; a table of scores.
+"""`spillpack build FOLDER`: distill the teacher (when prompts.jsonl exists), tune the student on
+train.jsonl plus the distilled data, then score the student before and after in one eval pass;
+a table of scores.
+
+The eval stage is one eval job with the tuned adapter named (`--adapter tuned=ADAPTER`): every
+row is answered by the student and by the tuned student in one batch over one model load
+(runtime/jobs/adapters.py), each scored on its own. Its score is {"base": ..., "tuned": ...}.
 
 Each stage is the ordinary job (runtime/jobs/eval.py, distill.py, tune.py, called through their
 `main`) with its own state under the build's state at stages/<stage>, so it resumes exactly as
@@ -13,7 +18,7 @@ split, each worker doing its shard of them; a worker whose shard is done waits (
 state every WAIT_S; SIGTERM while waiting exits 75 and a rerun waits again) until the last shard
 to finish has merged the stage, then takes the stage's score from the merge and goes on. tune is
 not split: shard 0 runs it while the others wait for its marker, then every worker does its
-shard of eval-tuned. The stage marker is committed once, by whichever worker gets there first.
+shard of the eval. The stage marker is committed once, by whichever worker gets there first.
 """
 
 import importlib
@@ -26,7 +31,7 @@ from runtime.core.job import Job, Outcome
 from runtime.data.jsonl import read_bytes
 from runtime.base.errors import EXIT_OK, SpillpackError
 from runtime.base.fileio import sha256_bytes
-from runtime.jobs import estimate, shards
+from runtime.jobs import adapters, estimate, shards
 from runtime.jobs.rowjob import RESULTS
 from runtime.models.ref import resolve_model
 from runtime.state.jobstate import JobState, StateConflict
@@ -36,7 +41,8 @@ from runtime.state.uri import open_store
 STAGE_MARKER = "stage"
 TUNE_DATA = "data/tune.jsonl"
 FOLDER_FILES = ("evals.jsonl", "train.jsonl", "prompts.jsonl")  # all a build reads from FOLDER (and all `pack` copies)
-SPLIT = ("eval-base", "distill", "eval-tuned")  # the stages a sharded build splits; tune runs in shard 0
+SPLIT = ("distill", "eval")  # the stages a sharded build splits; tune runs in shard 0
+TUNED = "tuned"  # the tuned adapter's name in the eval stage (its rows' `model`)
 WAIT_S = 2.0
 
 
@@ -108,7 +114,7 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
     a, o = inv.arguments, inv.options
     folder = str(a["folder"]).rstrip("/")
     store = job.state.store
-    scores = {m.meta["stage"]: m.meta["score"] for m in job.state.markers(STAGE_MARKER)}
+    scores = {m.meta["stage"]: m.meta["score"] for m in job.state.markers(STAGE_MARKER) if m.meta["stage"] in stages}
     if scores:
         job.restored(len(scores), job.state.uri)
     events.emit("start", step=len(scores), job=o["name"], model=o["student"], placement=f"{job.engine_name}: {job.engine_reason}",
@@ -117,9 +123,9 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
                         + (" (prompts.jsonl unused: no --teacher)" if "prompts.jsonl" in files and "distill" not in stages else "")
                         + (f" ({len(scores)} done before)" if scores else "") + f"; state at {job.state.uri}")
     common = {"engine": o["engine"], "dtype": o.get("dtype", "auto"), "batch": o["batch"], "max_tokens": o["max_tokens"], "seed": o["seed"]}
+    # With a held-out split the tune keeps its best adapter by held-out loss: that one is scored.
+    tuned = store.child_uri("stages/tune/adapter/best" if o.get("val_fraction") else "stages/tune/adapter")
     plans = {
-        "eval-base": ("eval", {"model": o["student"], "evals": f"{folder}/evals.jsonl", "weights": o.get("weights"),
-                               "metric": o["metric"], "field": o.get("field"), **common}),
         # Without --teacher the teacher is the student with --teacher-adapter.
         "distill": ("distill", {"teacher": o.get("teacher") or o["student"], "prompts": f"{folder}/prompts.jsonl",
                                 "adapter": o.get("teacher_adapter"), **common}),
@@ -127,11 +133,9 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
                           "engine": o["engine"], "dtype": o.get("dtype", "auto"), "seed": o["seed"], "steps": o.get("steps"), "epochs": o["epochs"],
                           "rank": o["rank"], "lr": o["lr"], "warmup": o["warmup"], "targets": o["targets"],
                           "val_fraction": o.get("val_fraction"), "early_stop": o.get("early_stop")}),
-        "eval-tuned": ("eval", {"model": o["student"], "evals": f"{folder}/evals.jsonl", "weights": o.get("weights"),
-                                # With a held-out split the tune keeps its best adapter by held-out loss: that one is scored.
-                                "adapter": store.child_uri("stages/tune/adapter/best" if o.get("val_fraction") else "stages/tune/adapter"),
-                                "metric": o["metric"], "field": o.get("field"),
-                                **common}),
+        # The student and the tuned student in one pass: every row answered by both in one batch.
+        "eval": ("eval", {"model": o["student"], "evals": f"{folder}/evals.jsonl", "weights": o.get("weights"),
+                          "adapter": _named(TUNED, tuned), "metric": o["metric"], "field": o.get("field"), **common}),
     }
     for stage in stages:
         if stage in scores:
@@ -183,6 +187,14 @@ def _run(job: Job, inv, events, files, stages, stop_stage, stop_n, split=shards.
     return job.done(len(scores), True, stages=scores)
 
 
+def _named(name: str, uri: str) -> str:
+    """`NAME=URI` as --adapter reads it; a state path that would read as more than one adapter is refused."""
+    if adapters.parse(f"{name}={uri}") != [(name, uri)]:
+        raise SpillpackError(f"the build's state {uri.rsplit('/stages/', 1)[0]} has a comma followed by NAME= in its path, which "
+                             "--adapter would read as two adapters", "--state DIR with no ',NAME=' in its path")
+    return f"{name}={uri}"
+
+
 def _marked(state: JobState, stage: str) -> dict | None:
     return next((m.meta["score"] for m in state.markers(STAGE_MARKER) if m.meta["stage"] == stage), None)
 
@@ -220,12 +232,13 @@ def _estimate(files: dict, stages: list[str], scores: dict, o: dict) -> float:
     for stage in stages:
         if stage in scores:
             continue
-        source = "prompts.jsonl" if stage == "distill" else "evals.jsonl"
+        source, models = ("prompts.jsonl", 1) if stage == "distill" else ("evals.jsonl", 2)  # eval: the student and the tuned one
         if stage == "tune":
             epochs = o["epochs"] if o.get("steps") is None else o["steps"] * COMMANDS["tune"].option("batch").default / max(1, rows.get("train.jsonl", 1))
             seconds += _train_seconds(config, int(len(files.get("train.jsonl", b"")) / 4 * epochs))
         else:
-            seconds += estimate.generation_seconds(config, len(files[source]) // 4, rows[source] * o["max_tokens"], o["batch"])
+            seconds += estimate.generation_seconds(config, models * len(files[source]) // 4, models * rows[source] * o["max_tokens"],
+                                                   o["batch"])
     return round(seconds, 1)
 
 
@@ -254,24 +267,28 @@ def _score(stage: str, summary: dict) -> dict:
     """A stage's score, from the summary its job reported."""
     if stage == "distill":
         return {"examples": summary["examples"]}
-    if stage.startswith("eval"):
-        return {"accuracy": summary["accuracy"], "ci95": summary["ci95"], "rows": summary["rows"]}
+    if stage == "eval":  # the base's score first, then the tuned adapter's (eval.py's `scores`)
+        base, tuned = ({k: s[k] for k in ("accuracy", "ci95", "rows")} for s in summary["scores"])
+        return {"base": base, "tuned": tuned}
     score = {"steps": summary["steps"], "first_loss": round(summary["first_loss"], 6), "final_loss": round(summary["final_loss"], 6)}
-    if summary.get("best_step") is not None:  # a held-out split: the adapter eval-tuned scores
+    if summary.get("best_step") is not None:  # a held-out split: the adapter the eval stage scores
         score.update(best_step=summary["best_step"], best_val_loss=round(summary["best_val_loss"], 6),
                      stopped_early=bool(summary.get("stopped_early")))
     return score
 
 
 def table(scores: dict) -> str:
-    def fmt(stage, s):
-        if "accuracy" in s:
-            return f"accuracy {s['accuracy']:.3f}  95% [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]  ({s['rows']} rows)"
-        if "examples" in s:
-            return f"{s['examples']} training examples"
-        return f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} in {s['steps']} steps"
+    def accuracy(s):
+        return f"accuracy {s['accuracy']:.3f}  95% [{s['ci95'][0]:.3f}, {s['ci95'][1]:.3f}]  ({s['rows']} rows)"
 
-    lines = [f"{'stage':<11} score"] + [f"{k:<11} {fmt(k, v)}" for k, v in scores.items()]
-    if "eval-base" in scores and "eval-tuned" in scores:
-        lines.append(f"{'before':<11} {scores['eval-base']['accuracy']:.3f} -> after {scores['eval-tuned']['accuracy']:.3f}")
+    def fmt(stage, s):
+        if stage == "eval":
+            return [("eval base", accuracy(s["base"])), ("eval tuned", accuracy(s["tuned"]))]
+        if "examples" in s:
+            return [(stage, f"{s['examples']} training examples")]
+        return [(stage, f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} in {s['steps']} steps")]
+
+    lines = [f"{'stage':<11} score"] + [f"{k:<11} {text}" for stage, s in scores.items() for k, text in fmt(stage, s)]
+    if "eval" in scores:
+        lines.append(f"{'before':<11} {scores['eval']['base']['accuracy']:.3f} -> after {scores['eval']['tuned']['accuracy']:.3f}")
     return "\n".join(lines)

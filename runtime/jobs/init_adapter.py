@@ -36,7 +36,7 @@ class InitAdapter:
     tensors: dict[str, np.ndarray]  # canonical LoRA names, float32
     spec: LoraSpec
     sha256: str  # of the tensors and spec: part of the job's identity
-    kind: str  # "peft" | "mlx-lm" | "state"
+    kind: str  # "peft" | "mlx-lm" | "state" | "gguf"
     resume: dict | None = None
     targets: str | None = None  # --targets as the job writes it: a state's own text, else the adapted layers joined  # SRC is a state of this same job: its newest checkpoint, to continue from
 
@@ -47,14 +47,10 @@ def load(src: str, model_dir, o: dict, own_state: str | None = None) -> InitAdap
     if own_state is not None and _same_place(src, own_state):
         raise SpillpackError(f"--init-adapter {src} is this job's own --state", "the same command without --init-adapter to continue it")
     gguf = _gguf_file(src)
+    store = open_store(src) if gguf is None else None
     if gguf is not None:
         adapter = _from_gguf(src, gguf, model_dir)
-        check_tensors(src, adapter.tensors, adapter.spec, model_dir.config)
-        check_options(src, adapter.spec, o)
-        adapter.targets = ",".join(adapter.spec.targets)
-        return adapter
-    store = open_store(src)
-    if store.read("job.json") is not None:
+    elif store.read("job.json") is not None:
         adapter = _from_state(src, store, model_dir)
     else:
         files = set(store.list(""))

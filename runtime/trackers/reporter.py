@@ -180,7 +180,7 @@ def translate(r: dict, context: dict) -> list[tuple[str, tuple]]:
         out.append(("note", ("interrupted", f"interrupted by {r.get('signal')} {at}{abandoned}{secs}", step)))
     elif ev == "stage" and r.get("status") == "scored":
         score = r.get("score") or {}
-        values = {f"{stage}/{k}": float(v) for k, v in score.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        values = _numbers(score, f"{stage}/")
         if values:
             out.append(("metrics", (r.get("step") or 0, values)))
             out.append(("committed", (r.get("step") or 0,)))
@@ -197,6 +197,18 @@ def translate(r: dict, context: dict) -> list[tuple[str, tuple]]:
         out.append(("committed", (step or 0,)))
         how = "finished" if r.get("complete") else "stopped early"
         out.append(("note", ("done", f"{how} at {_unit(command, stage)} {step} in {r.get('seconds')} s", step)))
+    return out
+
+
+def _numbers(score: dict, prefix: str) -> dict[str, float]:
+    """A stage's score as metrics: its numbers by name, a nested part's under its own name (the
+    build's eval stage scores `base` and `tuned`: eval/base/accuracy, eval/tuned/accuracy)."""
+    out = {}
+    for k, v in score.items():
+        if isinstance(v, dict):
+            out.update(_numbers(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[prefix + k] = float(v)
     return out
 
 

@@ -83,7 +83,7 @@ class Values:
         return any(str(u or "").startswith("s3://") for u in (self.state, self.weights))
 
 
-JOBS = {"build": "a folder build: eval-base, distill (with a teacher), tune, eval-tuned", "tune": "a LoRA tune",
+JOBS = {"build": "a folder build: distill (with a teacher), tune, eval before and after", "tune": "a LoRA tune",
         "run": "a batch run", "eval": "an eval", "distill": "a distillation"}
 
 
