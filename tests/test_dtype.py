@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import events_of, run_cli
+from conftest import REPO, events_of, run_cli
 
 TUNE = ["tune", "tiny", "examples/data/train.jsonl", "--steps", "6", "--batch", "2", "--lr", "1e-3", "--engine", "torch-cpu"]
 
@@ -176,7 +176,7 @@ def test_generation_takes_the_dtype_its_decode_step_measures_faster(monkeypatch)
     bf16 = Precision(torch.bfloat16, False, "bfloat16: the width policy")
     for f32_layer, want in ((0.0025, "float32"), (0.0040, "bfloat16")):
         m = {"float32_layer_s": f32_layer, "float32_rest_s": 0.010, "bfloat16_layer_s": 0.0030, "bfloat16_rest_s": 0.010}
-        monkeypatch.setattr(decode_dtype, "measured", lambda c, m=m: m)
+        monkeypatch.setattr(decode_dtype, "measured", lambda c, m=m, **kw: m)
         got = decode_dtype.generation_precision(bf16, config)
         assert got.name == want and "a decode step of this model's shapes measured" in got.why, got
     f32 = Precision(torch.float32, False, "float32: no native bfloat16")
@@ -204,3 +204,48 @@ def test_a_run_on_a_native_bfloat16_cpu_measures_its_decode_step_once_and_keeps_
     assert whys[0] == whys[1]  # the second job read the first one's measurement
     assert (home / "cache" / "rates.json").read_bytes() == cache
     assert b"decode dtype 1" in cache and b"hidden_size=512" in cache
+
+
+SHAPE = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 12, "vocab_size": 32000, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+         "tie_word_embeddings": False}
+
+
+def test_the_decode_step_measurement_holds_what_it_plans(tmp_path):
+    """The measurement's four models (their embedding and head at the real vocabulary) raise the
+    process's high water mark by about what measure_bytes counts: what the memory guard reads."""
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from tests.support.peak import vm_hwm_kb; import torch; torch.set_num_threads(1)\n"
+            "from runtime.engines.torch import decode_dtype\n"
+            f"config = json.loads({json.dumps(json.dumps(SHAPE))})\n"
+            "torch.zeros(1) @ torch.zeros(1); before = vm_hwm_kb() * 1024; decode_dtype.measure(config)\n"
+            "print(json.dumps([vm_hwm_kb() * 1024 - before, decode_dtype.measure_bytes(config)]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr
+    grew, planned = json.loads(r.stdout.splitlines()[-1])
+    assert planned > 2**26 and 0.7 * planned <= grew <= 1.3 * planned, (grew, planned)
+
+
+def test_a_measurement_that_would_not_fit_the_jobs_memory_is_not_made(home, monkeypatch):
+    """Under a memory cap too small for the four models, bfloat16 is kept without measuring (the
+    least memory), the start's why says so, and nothing is cached; with room it is measured."""
+    import torch
+
+    from runtime.engines.torch import decode_dtype
+    from runtime.engines.torch.precision import Precision
+
+    calls = []
+    monkeypatch.setattr(decode_dtype, "measure", lambda c: calls.append(c) or
+                        {"float32_layer_s": 1e-3, "float32_rest_s": 1e-3, "bfloat16_layer_s": 2e-3, "bfloat16_rest_s": 2e-3})
+    bf16 = Precision(torch.bfloat16, False, "bfloat16: the width policy")
+    need = decode_dtype.measure_bytes(SHAPE) / 2**30
+    import psutil
+
+    held = psutil.Process().memory_info().rss / 2**30
+    got = decode_dtype.generation_precision(bf16, SHAPE, max_mem_gb=held + 2 * need)
+    assert got.name == "bfloat16" and "not measured: measuring its decode step would hold" in got.why and "--max-mem-gb" in got.why
+    assert not calls and not (home / "cache" / "rates.json").exists()
+    got = decode_dtype.generation_precision(bf16, SHAPE, max_mem_gb=held + 8 * need)
+    assert got.name == "float32" and "measured" in got.why and len(calls) == 1

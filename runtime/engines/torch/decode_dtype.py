@@ -16,6 +16,13 @@ embedding and head; a step of the real model is the rest plus its layer count ti
 A few seconds, once, kept in the rates
 cache (runtime.engines.hardware.cached_measurement) so a job's choice does not move with a
 noisy minute. bfloat16 is chosen where float32's step takes MARGIN times as long.
+
+The four models are alive at once, their embedding and head at the real vocabulary: for a model
+with a large vocabulary that is more than the job's own weights in bfloat16. Where they would
+hold more than ROOM of the memory the job may use beyond what the process holds already (a
+cgroup limit, --max-mem-gb, the machine), the step is not measured, so a job that fits its
+memory is not killed by its first start's measurement: bfloat16 is kept, the dtype that holds
+the weights in the least memory, and the start event says why. Nothing is cached then.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ ROWS, PROMPT, ROUNDS = 16, 128, 24
 # The deeper of the two models has up to this many layers, and up to this many weights in its
 # layers: the difference of the two steps is then several layers' time, not one layer's noise.
 DEEP_LAYERS, DEEP_WEIGHTS = 6, 48_000_000
+ROOM = 0.25
 SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
               "vocab_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "tie_word_embeddings")
 
@@ -70,17 +78,44 @@ def _decode_step(config: dict, layers: int, dtype: torch.dtype):
     return step
 
 
-def measure(config: dict) -> dict:
-    """Seconds per decode step of one layer and of the rest (embedding, final norm, head), in
-    float32 and in bfloat16. The four models' steps are taken in turn, round after round, each
-    its best: a minute of other load falls on all four alike."""
+def _depths(config: dict) -> tuple[int, int]:
+    """(layers of the deep model, weights a layer has)."""
     from runtime.models.arch import architecture
     from runtime.models.memory import base_params
 
     flat = architecture(config).effective_config(config)
     per_layer = max(base_params({**flat, "num_hidden_layers": 2, "layer_types": None})
                     - base_params({**flat, "num_hidden_layers": 1, "layer_types": None}), 1)
-    deep = max(2, min(DEEP_LAYERS, int(config.get("num_hidden_layers") or 2), DEEP_WEIGHTS // per_layer))
+    return max(2, min(DEEP_LAYERS, int(config.get("num_hidden_layers") or 2), DEEP_WEIGHTS // per_layer)), per_layer
+
+
+def measure_bytes(config: dict) -> int:
+    """What the measurement holds at once: the four models' weights (each with the embedding and
+    the head) and their KV caches of ROWS rows, and as the last is made its float32 weights
+    beside the bfloat16 copy (a model is built in float32, then converted)."""
+    from runtime.models.arch import architecture
+    from runtime.models.generation_memory import kv_cache_bytes
+    from runtime.models.memory import base_params
+
+    flat = architecture(config).effective_config(config)
+    deep, _ = _depths(config)
+    total = 0
+    for size in (4, 2):
+        for n in (1, deep):
+            shape = {**flat, "num_hidden_layers": n, "layer_types": None}
+            total += base_params(shape) * size + kv_cache_bytes(shape, ROWS, PROMPT + ROUNDS + 8, size)
+    return total + base_params({**flat, "num_hidden_layers": deep, "layer_types": None}) * 4
+
+
+class _NoRoom(Exception):
+    pass
+
+
+def measure(config: dict) -> dict:
+    """Seconds per decode step of one layer and of the rest (embedding, final norm, head), in
+    float32 and in bfloat16. The four models' steps are taken in turn, round after round, each
+    its best: a minute of other load falls on all four alike."""
+    deep, _ = _depths(config)
     steps = {(name, n): _decode_step(config, n, dtype)
              for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)) for n in (1, deep)}
     best = dict.fromkeys(steps, float("inf"))
@@ -94,21 +129,36 @@ def measure(config: dict) -> dict:
     return out
 
 
-def measured(config: dict) -> dict:
-    """The measurement for this model's shapes here, cached."""
-    from runtime.engines.hardware import cached_measurement
+def measured(config: dict, max_mem_gb: float | None = None) -> dict | str:
+    """The measurement for this model's shapes here, cached; or, where it would not fit ROOM of
+    the memory the job may use (`max_mem_gb`: --max-mem-gb), why it was not made."""
+    from runtime.engines.hardware import cached_measurement, memory_for
 
-    return cached_measurement("torch-cpu", f"decode dtype 1, {torch.get_num_threads()} threads, {shape_of(config)}",
-                              lambda: measure(config))
+    def measure_now() -> dict:
+        available, source, held = memory_for("torch-cpu", max_mem_gb)
+        need = measure_bytes(config) / 2**30
+        if need > ROOM * (available - held):
+            raise _NoRoom(f"measuring its decode step would hold {need:.2f} GB, more than {ROOM:.0%} of the "
+                          f"{max(available - held, 0):.2f} GB the {'--max-mem-gb' if max_mem_gb is not None else source} "
+                          f"leaves this job")
+        return measure(config)
+
+    try:
+        return cached_measurement("torch-cpu", f"decode dtype 1, {torch.get_num_threads()} threads, {shape_of(config)}",
+                                  measure_now)
+    except _NoRoom as e:
+        return str(e)
 
 
 def step_seconds(m: dict, dtype: str, layers: int) -> float:
     return m[f"{dtype}_rest_s"] + layers * m[f"{dtype}_layer_s"]
 
 
-def choice(config: dict) -> tuple[str, str]:
+def choice(config: dict, max_mem_gb: float | None = None) -> tuple[str, str]:
     """("float32" or "bfloat16", why), for generating with the model `config` describes."""
-    m = measured(config)
+    m = measured(config, max_mem_gb=max_mem_gb)
+    if isinstance(m, str):
+        return "bfloat16", f"bfloat16, not measured: {m}; bfloat16 holds the weights in the least memory"
     layers = int(config.get("num_hidden_layers") or 1)
     f32, bf16 = step_seconds(m, "float32", layers), step_seconds(m, "bfloat16", layers)
     chosen = "bfloat16" if f32 >= MARGIN * bf16 else "float32"
@@ -116,7 +166,7 @@ def choice(config: dict) -> tuple[str, str]:
                     f"{bf16 * 1e3:.1f} ms in bfloat16 here (bfloat16 where float32 takes {MARGIN}x as long)")
 
 
-def generation_precision(policy, config: dict):
+def generation_precision(policy, config: dict, max_mem_gb: float | None = None):
     """The policy's precision (runtime.engines.torch.precision) for generating with the model
     `config` describes: where the policy took bfloat16 on a native-bfloat16 CPU, the faster of
     the two on this model's decode step."""
@@ -124,7 +174,7 @@ def generation_precision(policy, config: dict):
 
     if policy.base != torch.bfloat16:
         return policy  # no native bfloat16, or a model too narrow: float32 without measuring
-    chosen, why = choice(config)
+    chosen, why = choice(config, max_mem_gb)
     return Precision(getattr(torch, chosen), False, f"{why}; this CPU multiplies bfloat16 natively ({cpu_bf16_native()})")
 
 

@@ -330,7 +330,7 @@ class TorchEngine(WeightPlacement):
         else:
             self.precision = device_precision(self.device, width, training)
             if shape is not None and not training and self.device.type == "cpu":
-                self.precision = generation_precision(self.precision, shape)
+                self.precision = generation_precision(self.precision, shape, max_mem_gb)
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
         self._quantized: dict[str, tuple[bool, str | None, bool]] = {}  # model path -> (kept quantized, why, dense head)
