@@ -1,4 +1,4 @@
-"""A row job's memory plan (runtime.models.memory.generation_plan) against the peak resident
+"""A row job's memory plan (runtime.models.memory_rows.generation_plan) against the peak resident
 memory of a real `spillpack run` in its own process, at several batch sizes: the plan within
 10% of the measured peak, and the peak within the run's memory budget (torch's own import
 footprint + 1.25 x the weights in the compute dtype + the KV cache the plan counted).

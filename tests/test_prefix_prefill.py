@@ -13,7 +13,7 @@ import pytest
 
 from runtime.engines.generation import generate
 from runtime.engines.prefill import MIN_SHARED_PREFIX
-from runtime.models.memory import PREFILL_CHUNK_TOKENS, generation_plan, kv_cache_bytes
+from runtime.models.memory_rows import PREFILL_CHUNK_TOKENS, generation_plan, kv_cache_bytes
 from runtime.models.ref import resolve_model
 from runtime.models.tiny import ensure_tiny
 from runtime.models.tokenizer import Tokenizer

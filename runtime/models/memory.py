@@ -5,7 +5,8 @@ config.json, the LoRA spec, AdamW, the base dtype and the micro-batches the job 
 (the batch order is known in advance, so the longest one is known too). The counts follow
 what the engines' autograd keeps for backward through a frozen base with LoRA adapters:
 
-- weights: every base parameter in the base dtype (frozen: no gradients, no moments);
+- weights: every base parameter in the base dtype (frozen: no gradients, no moments); streamed
+  from the file's map (`streamed`), only its 1-D tensors, one layer's mapped bytes and the scratch;
 - LoRA: adapter tensors, their gradients and AdamW's two moments, float32;
 - activations, per token and decoder layer: the inputs of both norms, q/k/v and the
   attention output kept by the fused attention kernel, the MLP's gate, its activation and
@@ -46,6 +47,8 @@ MODES = ("auto", "on", "off")
 # positions, 162 at 472; 162 and 199 backward).
 LOSS_CHUNK_BYTES = 2**28  # 256 MiB
 BYTES_PER_LOGIT = 16  # MLX's, and the plan's: an upper bound for torch's
+# quant_blocks.py's float32 scratch chunk; a streamed load holds it, its rounded copy and nibbles at most.
+SCRATCH_BYTES, STREAM_SCRATCH_BYTES = 4 << 20, 12 << 20
 
 
 def loss_chunk(vocab_size: int, bytes_per_logit: int = BYTES_PER_LOGIT) -> int:
@@ -99,6 +102,17 @@ class Plan:
     shard_why: str = ""  # why it is, or is not
     quantized: bool = False  # the frozen base kept in its quantized blocks (a GGUF's, QLoRA's shape)
     quantized_why: str | None = None  # why it is, or is not (None: not a quantized file)
+    # Streamed (mapped.py): the map's bytes (page cache, not in the peak) and the largest layer's with
+    # the scratch (in weights_gb, as the 1-D tensors resident are).
+    weights: str = "resident"  # or "streamed"
+    streamed_gb: float = 0.0
+    layer_gb: float = 0.0
+    weights_why: str = ""
+
+    @property
+    def base_why(self) -> str | None:
+        """Why the base lies as it does: streamed, or kept quantized or dense (None: a float base, resident)."""
+        return self.weights_why if self.weights == "streamed" else self.quantized_why
 
     @property
     def split(self) -> bool:
@@ -116,6 +130,9 @@ class Plan:
         if self.shards > 1:
             ckpt += f", the base split across {self.shards} ranks"
         base = f"; the base {self.quantized_why}" if self.quantized else ""
+        if self.weights == "streamed":
+            base = (f"; the base {self.estimate.weights_gb - self.layer_gb:.2f} GB resident and {self.streamed_gb:.2f} GB "
+                    f"streamed from the file (one layer and its scratch {self.layer_gb:.2f} GB at a time)")
         return (f"{split}, {ckpt}: about {self.estimate.peak_gb:.1f} GB at the longest micro-batch "
                 f"({self.longest.rows} x {self.longest.seq} tokens) of {self.available_gb:.1f} GB ({self.available_from}){base}")
 
@@ -123,8 +140,9 @@ class Plan:
         return {"micro_batch": self.micro_batch, "grad_accum": self.accum, "grad_checkpoint": self.grad_checkpoint,
                 "estimated_peak_gb": round(self.estimate.peak_gb, 3), "available_gb": round(self.available_gb, 3),
                 "available_from": self.available_from, "longest": [self.longest.rows, self.longest.seq, self.longest.targets],
-                "shards": self.shards, "base_quantized": self.quantized,
-                **self.estimate.parts()}
+                "shards": self.shards, "base_quantized": self.quantized, "weights": self.weights,
+                "resident_gb": round(self.estimate.weights_gb - self.layer_gb, 3), "streamed_gb": round(self.streamed_gb, 3),
+                "layer_gb": round(self.layer_gb, 3), "weights_why": self.weights_why, **self.estimate.parts()}
 
     def candidates(self) -> list[dict]:
         return [{"micro_batch": p.micro_batch, "grad_checkpoint": p.grad_checkpoint, "estimated_peak_gb": round(p.estimate.peak_gb, 3)}
@@ -201,11 +219,15 @@ def weights_per_rank(config: dict, params: int, shards: int = 1) -> float:
 
 
 def estimate(config: dict, targets: tuple, rank: int, act_bytes: int, batch: Batch, grad_checkpoint: bool,
-             runtime_gb: float, params: int | None = None, dropout: bool = False, shards: int = 1) -> Estimate:
+             runtime_gb: float, params: int | None = None, dropout: bool = False, shards: int = 1,
+             streamed: tuple[int, int, int] | None = None) -> Estimate:
     """The predicted peak of one forward/backward over `batch` (plus the optimizer's state), on
-    one of `shards` ranks that split the base (weights_per_rank)."""
+    one of `shards` ranks that split the base (weights_per_rank); `streamed`: the base streamed
+    from the file, its bytes (weights.stream_bytes: resident, mapped, the largest layer's mapped)."""
     a = _args(config)
     weights = weights_per_rank(config, params if params is not None else base_params(config), shards) * act_bytes
+    if streamed is not None:
+        weights = streamed[0] + streamed[2] + STREAM_SCRATCH_BYTES
     lora_params = sum(rank * (i + o) for name, (i, o) in a.lora_linears().items() if name.split(".")[-1] in targets)
     lora = lora_params * a.num_hidden_layers * 4 * 4  # tensors, gradients, two moments
     kept, transient = layer_bytes_per_token(config, targets, rank, act_bytes, grad_checkpoint, dropout)
@@ -232,17 +254,20 @@ def estimate(config: dict, targets: tuple, rank: int, act_bytes: int, batch: Bat
 
 
 class NoFit(SpillpackError):
-    pass
+    last: "Plan | None" = None  # the least candidate tried, which did not fit either
 
 
 def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, batch: int, grad_accum: int, mode: str,
         available_gb: float, available_from: str, runtime_gb: float, params: int | None = None,
-        max_seq: int | None = None, dropout: bool = False, shards: int = 1) -> Plan:
+        max_seq: int | None = None, dropout: bool = False, shards: int = 1, streamed: tuple | None = None) -> Plan:
     """The plan a step runs under. `batches_at(m)` lists the job's micro-batches (as Batch) when
     each step's examples run m rows at a time. auto: the job's micro-batch as given, then with
     checkpointing, then micro-batches halved (4 x 1, 2 x 2, 1 x 4) until it fits; on: always
-    checkpointing; off: never. Raises NoFit naming what would fit."""
+    checkpointing; off: never. Raises NoFit naming what would fit. `streamed`: as estimate's."""
     assert mode in MODES, mode
+    est = lambda b, ckpt: estimate(config, targets, rank, act_bytes, b, ckpt, runtime_gb, params, dropout, shards, streamed)
+    extra = {} if streamed is None else {"weights": "streamed", "streamed_gb": streamed[1] / GB,
+                                         "layer_gb": (streamed[2] + STREAM_SCRATCH_BYTES) / GB}
     sizes, m = [], batch
     while True:
         sizes.append(m)
@@ -256,143 +281,36 @@ def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, bat
     for m, ckpt in order:
         if m not in shapes:
             shapes[m] = batches_at(m)
-        worst = max(((estimate(config, targets, rank, act_bytes, b, ckpt, runtime_gb, params, dropout, shards), b)
-                     for b in shapes[m]),
-                    key=lambda eb: eb[0].peak_gb)
-        tried.append(Plan(m, ckpt, worst[0], worst[1], available_gb, available_from, batch, grad_accum))
+        worst = max(((est(b, ckpt), b) for b in shapes[m]), key=lambda eb: eb[0].peak_gb)
+        tried.append(Plan(m, ckpt, worst[0], worst[1], available_gb, available_from, batch, grad_accum, **extra))
     for plan in tried:
         if plan.estimate.peak_gb <= available_gb:
             plan.tried = tried
             return plan
     last = tried[-1]
-    raise NoFit(_no_fit_line(last, mode),
-                _suggestion(config, targets, rank, act_bytes, last, runtime_gb, params, max_seq, dropout, shards))
+    e = NoFit(_no_fit_line(last, mode), _suggestion(est, last, max_seq))
+    e.last = last
+    raise e
 
 
 def _no_fit_line(last: Plan, mode: str) -> str:
     how = "with checkpointing" if last.grad_checkpoint else "without checkpointing (--grad-checkpoint off)"
     where = "this machine has" if last.available_from != "--max-mem-gb" else "--max-mem-gb allows"
-    return f"tune needs about {last.estimate.peak_gb:.1f} GB at micro-batch 1 {how}; {where} {last.available_gb:.1f} GB"
+    streamed = " even with its base streamed from the file" if last.weights == "streamed" else ""
+    return f"tune needs about {last.estimate.peak_gb:.1f} GB at micro-batch 1 {how}{streamed}; {where} {last.available_gb:.1f} GB"
 
 
-def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params, max_seq, dropout, shards: int = 1) -> str:
-    """The longest --max-seq that would fit at micro-batch 1 with checkpointing, else the memory needed."""
+def _suggestion(est, last: Plan, max_seq) -> str:
+    """The longest --max-seq that would fit at micro-batch 1 with checkpointing, else the memory needed
+    (`est(batch, checkpointing)`: fit's estimate)."""
     longest = last.longest
     seq = min(max_seq or longest.seq, longest.seq)
     while seq >= 32:
         seq //= 2
         shorter = Batch(1, seq, max(1, longest.targets * seq // max(1, longest.seq)))
-        if estimate(config, targets, rank, act_bytes, shorter, True, runtime_gb, params, dropout, shards).peak_gb <= last.available_gb:
+        if est(shorter, True).peak_gb <= last.available_gb:
             return f"spillpack tune ... --max-seq {seq}"
-    floor = estimate(config, targets, rank, act_bytes, Batch(1, 32, 16), True, runtime_gb, params, dropout, shards).peak_gb
-    return f"a machine with at least {floor:.1f} GB free (the weights alone need {last.estimate.weights_gb:.1f} GB), or a smaller model"
-
-
-# -- generation (run, eval, distill) ---------------------------------------------------------
-#
-# A row job's peak is what it holds before the model (the interpreter, the framework once imported, the tokenizer and
-# the rows: measured, not guessed, because the engine is open when the plan is made), the base weights in the compute
-# dtype, the KV cache the decoder preallocates for every slot at the longest row (and the prefix cache's one prompt,
-# prefill.py), and the largest forward on top of them. On a CPU the widest forward is a prefill (every slot at once,
-# right-padded, in chunks of at most PREFILL_CHUNK_TOKENS tokens); a decode step is one token a slot.
-
-# The tokens of one prefill forward (rows x width; both engines' decoders): activations grow with them, so longer
-# prefills run in chunks, each appending to the KV cache. 2,048 tokens keep the matmuls large enough that a forward's
-# fixed cost is noise (vLLM's chunked prefill budgets forwards in the same thousands of tokens), while one forward's
-# activations stay about 0.1 GB for a 0.5B model and a few tenths for a 7B.
-PREFILL_CHUNK_TOKENS = 2048
-
-# quant_blocks.py's float32 scratch chunk; a streamed load holds it, its rounded copy and nibbles at most.
-SCRATCH_BYTES, STREAM_SCRATCH_BYTES = 4 << 20, 12 << 20
-
-# What a host process adds at its first forward beyond the tensors counted (thread pools, the
-# kernels' code pages and workspaces), measured on torch-cpu float32 (tests/test_memory_run.py).
-GENERATION_RUNTIME_GB = 0.015
-
-
-@dataclass(frozen=True)
-class GenerationPlan:
-    weights_gb: float
-    kv_cache_gb: float  # every slot's, and the prefix cache's one prompt
-    activations_gb: float  # the widest forward's transient tensors and its logits
-    runtime_gb: float
-    slots: int
-    max_len: int  # tokens a slot holds: the longest prompt + its max_tokens
-    prefill: tuple[int, int]  # (rows, width) of the widest prefill forward counted (one chunk)
-    quantized: dict = field(default_factory=dict)  # quantized type -> weights resident in their blocks (a GGUF's)
-    # Streamed (mapped.py): weights_gb stays resident (1-D tensors), streamed_gb is the map's (page
-    # cache, not in the peak), layer_gb the largest layer's mapped bytes and the scratch (in the peak).
-    streamed_gb: float = 0.0
-    layer_gb: float = 0.0
-    weights: str = "resident"  # or "streamed"
-    weights_why: str = ""
-
-    @property
-    def peak_gb(self) -> float:
-        return self.weights_gb + self.layer_gb + self.kv_cache_gb + self.activations_gb + self.runtime_gb
-
-    def describe(self) -> str:
-        kept = ", ".join(f"{n} {kind}" for kind, n in sorted(self.quantized.items()))
-        weights = f"weights {self.weights_gb:.2f} GB" + (f" ({kept} kept quantized)" if kept else "")
-        if self.weights == "streamed":
-            weights = (f"weights {self.weights_gb:.2f} GB resident and {self.streamed_gb:.2f} GB streamed from the file "
-                       f"(one layer and its scratch {self.layer_gb:.2f} GB at a time)")
-        return (f"about {self.peak_gb:.2f} GB at the peak: {weights}, KV cache {self.kv_cache_gb:.2f} GB "
-                f"({self.slots} slots and a prefix cache x {self.max_len} tokens), activations {self.activations_gb:.2f} GB, "
-                f"runtime {self.runtime_gb:.2f} GB")
-
-    def to_dict(self) -> dict:
-        return {"estimated_peak_gb": round(self.peak_gb, 3), "weights_gb": round(self.weights_gb, 3),
-                "kv_cache_gb": round(self.kv_cache_gb, 3), "activations_gb": round(self.activations_gb, 3),
-                "runtime_gb": round(self.runtime_gb, 3), "slots": self.slots, "max_len": self.max_len,
-                "prefill": list(self.prefill), "quantized": dict(self.quantized), "weights": self.weights,
-                "resident_gb": round(self.weights_gb, 3), "streamed_gb": round(self.streamed_gb, 3),
-                "layer_gb": round(self.layer_gb, 3), "weights_why": self.weights_why}
-
-
-def kv_cache_bytes(config: dict, slots: int, max_len: int, act_bytes: int) -> int:
-    """Keys and values of every layer for `slots` rows of `max_len` tokens (the decoders' one cache)."""
-    a = _args(config)
-    return 2 * a.num_hidden_layers * slots * a.num_key_value_heads * max_len * a.head_dim * act_bytes
-
-
-def generation_plan(config: dict, act_bytes: int, slots: int, max_len: int, longest_prompt: int, runtime_gb: float,
-                    params: int | None = None, weights_bytes: int | None = None,
-                    quantized: dict | None = None, streamed: tuple[int, int, int] | None = None) -> GenerationPlan:
-    """The predicted peak of generating with `slots` rows at once, each slot up to `max_len` tokens;
-    `weights_bytes`: the weights as they will lie (a GGUF's quantized ones in their blocks,
-    `quantized` counting them by type), else every parameter dense at `act_bytes`; `streamed`: a
-    streamed load's bytes (mapped.stream_bytes)."""
-    a = _args(config)
-    weights = weights_bytes if weights_bytes is not None else (params if params is not None else base_params(config)) * act_bytes
-    weights, quantized = (weights, quantized) if streamed is None else (streamed[0], None)
-    kv_slots = kv_cache_bytes(config, slots, max_len, act_bytes)
-    kv = kv_slots + kv_cache_bytes(config, 1, max_len, act_bytes)  # and the prefix cache's one prompt
-    d, hd = a.hidden_size, a.head_dim
-    q, kv_width = a.num_attention_heads * hd, a.num_key_value_heads * hd
-    # A forward has at least one token a row, so more slots than a chunk's tokens pass it.
-    tokens = min(slots * longest_prompt, max(PREFILL_CHUNK_TOKENS, slots))
-    # Alive at once in a layer, per token: the residual and its sum, the normed input, and the
-    # larger of attention (q/k/v, the rotated q and k, the output and its reshaped copy) and the
-    # MLP (the gate's activation, up and their product; the gate itself is freed once activated).
-    attention = q + 2 * kv_width + (q + kv_width) + 2 * q
-    mlp = 3 * _mlp_width(a)
-    per_token = (3 * d + max(attention, mlp)) * act_bytes
-    # The layer's keys and values gathered for the rows of a view (one layer's worth of the cache).
-    gathered = kv_slots // a.num_hidden_layers
-    # A chunk after the first, or a prompt resuming from the prefix cache, attends through an
-    # explicit mask over the keys: boolean, and the attention kernel's copy in the compute dtype
-    # (measured on torch-cpu; on CUDA, where SDPA with a mask and grouped kv heads runs its math
-    # kernel, the scores of a chunk would come on top: not counted, not measured yet).
-    mask = tokens * max_len * (1 + act_bytes)
-    # A sliding window shorter than the prefill goes through the mask too, its scores kept.
-    windowed = any(a.window(i) is not None and a.window(i) < longest_prompt for i in range(a.num_hidden_layers))
-    scores = tokens * a.num_attention_heads * longest_prompt * (act_bytes + 1) if windowed else 0
-    # Logits: one row per slot, float32 for sampling (a copy when the base is not float32).
-    logits = slots * a.vocab_size * (4 + (act_bytes if act_bytes != 4 else 0))
-    activations = tokens * per_token + gathered + mask + scores + logits
-    rows = max(min(slots, tokens), 1)
-    extra = {} if streamed is None else {"streamed_gb": streamed[1] / GB, "weights": "streamed",
-                                         "layer_gb": (streamed[2] + STREAM_SCRATCH_BYTES) / GB}
-    return GenerationPlan(weights / GB, kv / GB, activations / GB, runtime_gb, slots, max_len, (rows, tokens // rows),
-                          dict(quantized or {}), **extra)
+    floor = est(Batch(1, 32, 16), True).peak_gb
+    weights = (f"the streamed weights alone need {last.estimate.weights_gb:.2f} GB" if last.weights == "streamed"
+               else f"the weights alone need {last.estimate.weights_gb:.1f} GB")
+    return f"a machine with at least {floor:.1f} GB free ({weights}), or a smaller model"

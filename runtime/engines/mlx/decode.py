@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.engines.prefill import PrefixPrefill
-from runtime.models.memory import PREFILL_CHUNK_TOKENS
+from runtime.models.memory_rows import PREFILL_CHUNK_TOKENS
 
 
 class MLXDecoder(PrefixPrefill):

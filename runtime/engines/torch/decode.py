@@ -26,7 +26,7 @@ import torch
 from runtime.engines.logits import Logits
 from runtime.engines.prefill import PrefixPrefill
 from runtime.engines.torch.models.attention import PackedStep, zeros
-from runtime.models.memory import PREFILL_CHUNK_TOKENS
+from runtime.models.memory_rows import PREFILL_CHUNK_TOKENS
 
 # A decode step's shapes in steps (see TorchDecoder._padded): at most 31 masked keys and 7 idle
 # rows more, a small share of a step beside the weights every row's step reads.
