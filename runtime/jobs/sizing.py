@@ -85,12 +85,13 @@ def plan_tune(engine_name: str, engine, model_dir, spec, data, order, total: int
     decide = getattr(engine, "stream_why", None) if shards == 1 else None
     if decide is None:
         return plan_at()
+    plan = refusal = None
     try:
-        plan, peak = plan_at(), None
-    except NoFit as e:
-        plan, peak, refusal = None, e.last.estimate.peak_gb, e
-    streamed, why = decide(model_dir, plan.estimate.peak_gb if plan else peak, available, source)
-    if not streamed and plan is None:
+        plan = plan_at()
+    except NoFit as e:  # resident, even its least candidate is over the memory the job may use
+        refusal = e
+    streamed, why = decide(model_dir, (plan or refusal.last).estimate.peak_gb, available, source)
+    if refusal is not None and not streamed:
         raise refusal
     if streamed:
         plan = plan_at(streamed=stream_bytes(weight_files(model_dir.path), dtype_bytes(engine)))
