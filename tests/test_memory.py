@@ -129,7 +129,7 @@ def test_impossible_job_is_refused_before_loading_weights(home, tmp_path, long_r
     r = run_cli(["tune", str(model), long_rows, *LONG, "--max-mem-gb", "0.05", "--state", str(state)])
     assert r.returncode == 1
     line = r.stderr.strip().splitlines()[-1]
-    assert line.startswith("spillpack: tune needs about ") and " GB at micro-batch 1 with checkpointing; --max-mem-gb allows 0.1 GB. Try: " in line, line
+    assert line.startswith("spillpack: tune needs about ") and " GB at micro-batch 1 with checkpointing even with its base streamed from the file; --max-mem-gb allows 0.1 GB. Try: " in line, line
     assert not state.exists()  # nothing claimed: the corrected command starts clean
     # A cap that short rows fit at micro-batch 1: the line names a shorter --max-seq for the long ones.
     r = run_cli(["tune", str(model), DATA, "--steps", "2", "--batch", "1", "--grad-checkpoint", "on", "--plan"])

@@ -4,13 +4,16 @@ unlimited run does, with no OOM kill and the cgroup's peak under the limit; the 
 float32 GGUF larger than the limit run too (slow); a SIGTERM inside the
 limit exits 75 and the rerun resumes to the same answers; a limit too small even to stream is one
 line naming the minimum, and no state. The GGUF's pages are dropped from the page cache before each
-limited run, so the limited job faults them in itself (charged to its own cgroup)."""
+limited run, so the limited job faults them in itself (charged to its own cgroup). A tune under a
+limit below what its base needs resident streams the base from the file and ends with the unlimited
+tune's adapter."""
 
 import json
 import os
 import signal
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import REPO, events_of, one_line, run_cli
@@ -161,3 +164,46 @@ def test_a_limit_too_small_even_to_stream_is_one_line_naming_the_minimum(referen
     need = float(line.split("needs at least ")[1].split(" GB")[0])
     assert need * 2**30 > cap and "Try: a memory limit of at least" in line
     assert not (tmp_path / "small").exists()  # nothing written to the state
+
+
+# ---- a tune under the limit: its frozen base streamed from the file's map
+
+TUNE = ["--steps", "20", "--batch", "2", "--max-seq", "64", "--dtype", "float32"]
+TUNE_ENV = {"SPILLPACK_THREADS": "1"}  # one thread: the same products in the same order on both sides
+
+
+def tune_args(tmp_path, name, *extra):
+    return ["tune", str(smollm2_gguf()), str(REPO / "examples/data/train.jsonl"), "--name", name,
+            "--state", str(tmp_path / name), *TUNE, *extra]
+
+
+def test_under_a_limit_below_the_resident_tune_the_tune_streams_its_base_to_the_same_adapter(tmp_path, home):
+    from safetensors.numpy import load_file
+
+    r = run_cli(tune_args(tmp_path, "ref"), env=TUNE_ENV, timeout=600)  # unlimited: the base resident
+    assert r.returncode == 0, r.stderr
+    assert start_of(r.stdout)["memory_plan"]["weights"] == "resident"
+    # The least a resident base needs where its dense copy is over half the memory (kept in its blocks,
+    # as it would be under the limit): the limit goes below it.
+    r = run_cli(tune_args(tmp_path, "plan", "--plan", "--max-mem-gb", "1.0"), env=TUNE_ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    resident = events_of(r.stdout)[-1]
+    assert resident["weights"] == "resident" and resident["base_quantized"] is True, resident
+    cap = int((min(c["estimated_peak_gb"] for c in resident["candidates"]) - 0.05) * 2**30)
+    limit = MemoryLimit.make(cap)
+    assert limit is not None
+    drop_cached(smollm2_gguf())
+    try:
+        r = limit.run(tune_args(tmp_path, "lim"), env=TUNE_ENV, timeout=600)
+        assert r.returncode == 0, r.stderr
+        assert limit.oom_kills() == 0 and 0 < limit.peak_bytes() <= cap
+        print(f"tune under {cap / MB:.0f} MiB: cgroup peak {limit.peak_bytes() / MB:.0f} MiB")
+    finally:
+        limit.close()
+    plan = start_of(r.stdout)["memory_plan"]
+    assert plan["weights"] == "streamed" and "(cgroup memory limit)" in plan["weights_why"], plan
+    assert plan["weights_why"].startswith("streamed from the file: resident, it would take") and plan["streamed_gb"] > 0.08
+    ref, got = (load_file(str(tmp_path / n / "adapter" / "adapter_model.safetensors")) for n in ("ref", "lim"))
+    assert ref.keys() == got.keys() and ref
+    for k in ref:
+        assert float(np.abs(ref[k] - got[k]).max()) <= 1e-6, k

@@ -129,7 +129,7 @@ def test_a_base_with_loss_scaling_is_never_split(monkeypatch):
     engine = SimpleNamespace(precision=SimpleNamespace(loss_scaling=True, name="float16"))
     with pytest.raises(SpillpackError, match="does not run a float16 base with loss scaling"):
         sizing.plan_shards("torch-cuda", engine, None, None, None, None, 1, {"shard_base": "on"})
-    monkeypatch.setattr(sizing, "plan_tune", lambda *a: SimpleNamespace())
+    monkeypatch.setattr(sizing, "plan_tune", lambda *a: SimpleNamespace(weights="resident"))
     plan = sizing.plan_shards("torch-cuda", engine, None, None, None, None, 1, {"shard_base": "auto"})
     assert plan.shards == 1
 

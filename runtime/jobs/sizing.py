@@ -66,7 +66,10 @@ def resident(engine, model_dir) -> tuple[int, dict]:
 def plan_tune(engine_name: str, engine, model_dir, spec, data, order, total: int, o: dict, shards: int = 1) -> Plan:
     """The plan one rank runs under, or NoFit (one line naming what would fit). `shards`: the
     ranks the base is split across (runtime/engines/torch/shard.py). A host's memory is shared
-    by the ranks it runs: each plans for its part (--max-mem-gb is already one rank's)."""
+    by the ranks it runs: each plans for its part (--max-mem-gb is already one rank's). Where the
+    engine can stream (stream_why, as plan_rows decides), a whole base is resident if a plan with
+    it resident fits the memory the job may use, else streamed from the file, and the plan is the
+    streamed one (its NoFit: too small even to stream)."""
     mode = o.get("grad_checkpoint") or "auto"
     available, source, held = memory_for(engine_name, o.get("max_mem_gb"))
     local = ranks.local_world_size()
@@ -76,9 +79,24 @@ def plan_tune(engine_name: str, engine, model_dir, spec, data, order, total: int
     params = sum(math.prod(shape) for shape in tensor_shapes(weight_files(model_dir.path)).values())
     if shards == 1 and getattr(engine, "keeps_quantized", lambda _: False)(model_dir):  # the frozen base in its blocks
         params = -(-resident(engine, model_dir)[0] // dtype_bytes(engine))  # as dense parameters' bytes
-    return fit(model_dir.config, spec.targets, spec.rank, dtype_bytes(engine), lambda m: job_batches(data, order, total, m),
-               o["batch"], o["grad_accum"], mode, available, source, runtime_gb, params, o["max_seq"], spec.dropout > 0,
-               shards)
+    plan_at = lambda **kw: fit(model_dir.config, spec.targets, spec.rank, dtype_bytes(engine),
+                               lambda m: job_batches(data, order, total, m), o["batch"], o["grad_accum"], mode, available,
+                               source, runtime_gb, params, o["max_seq"], spec.dropout > 0, shards, **kw)
+    decide = getattr(engine, "stream_why", None) if shards == 1 else None
+    if decide is None:
+        return plan_at()
+    plan = refusal = None
+    try:
+        plan = plan_at()
+    except NoFit as e:  # resident, even its least candidate is over the memory the job may use
+        refusal = e
+    streamed, why = decide(model_dir, (plan or refusal.last).estimate.peak_gb, available, source)
+    if refusal is not None and not streamed:
+        raise refusal
+    if streamed:
+        plan = plan_at(streamed=stream_bytes(weight_files(model_dir.path), dtype_bytes(engine)))
+    plan.weights_why = why
+    return plan
 
 
 def plan_shards(engine_name: str, engine, model_dir, spec, data, order, total: int, o: dict) -> Plan:
@@ -113,7 +131,8 @@ def plan_shards(engine_name: str, engine, model_dir, spec, data, order, total: i
         shards, why = 1, ("--shard-base off" if mode == "off" else "--shard-base auto: one process") + ", the whole base on each rank"
         plan = plan_at(shards)
     plan.shards, plan.shard_why = shards, why
-    if shards == 1:  # a split base is dense (shard.py); a whole one quantized by the rule run follows (plan_tune)
+    if shards == 1 and plan.weights == "resident":  # a split base is dense (shard.py), a streamed one the map's blocks;
+        # a whole resident one quantized by the rule run follows (plan_tune)
         plan.quantized, plan.quantized_why = getattr(engine, "quantized_why", lambda _: (False, None))(model_dir)
     return plan
 

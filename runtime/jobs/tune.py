@@ -179,9 +179,9 @@ def main(inv, events) -> Outcome:
         est = engine_estimate(model_dir.config, tokens_per_step * max(0, total - work.done), rate["matmul_gflops"])
         events.emit("start", step=work.done, job=o["name"], model=a["model"], placement=f"{job.engine_name}: {job.engine_reason}",
                     state=job.state_uri, estimated_seconds=est, steps=total, **start_fields(job.engine_name, cpus().count), **dtype_fields(engine), rate_gflops=rate["matmul_gflops"], rate_dtype=rate.get("matmul_dtype"),
-                    estimated_peak_gb=round(plan.estimate.peak_gb, 3), memory_gb=round(plan.available_gb, 3),
+                    estimated_peak_gb=round(plan.estimate.peak_gb, 3), memory_gb=round(plan.available_gb, 3), memory_plan=plan.to_dict(),
                     memory_from=plan.available_from, micro_batch=plan.micro_batch, grad_checkpoint=plan.grad_checkpoint,
-                    shard_base=plan.shards > 1, shard_reason=plan.shard_why, base_quantized=plan.quantized, weights_why=plan.quantized_why,
+                    shard_base=plan.shards > 1, shard_reason=plan.shard_why, base_quantized=plan.quantized, weights_why=plan.base_why,
                     message=f"tune {a['model']} on {a['data']}: {total} steps of {o['batch']}x{o['grad_accum']} "
                             f"({len(data.examples)} examples, {data.dropped_long} longer than --max-seq dropped) on {job.engine_name}, "
                             f"about {_fmt(est)}; {plan.describe()}; state at {job.state_uri}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.models.memory import GB, base_params, mlp_width, model_args
+from runtime.models.memory import GB, STREAM_SCRATCH_BYTES, base_params, mlp_width, model_args
 
 # A row job's peak is what it holds before the model (the interpreter, the framework once imported, the tokenizer and
 # the rows: measured, not guessed, because the engine is open when the plan is made), the base weights in the compute
@@ -21,8 +21,6 @@ from runtime.models.memory import GB, base_params, mlp_width, model_args
 # activations stay about 0.1 GB for a 0.5B model and a few tenths for a 7B.
 PREFILL_CHUNK_TOKENS = 2048
 
-# quant_blocks.py's float32 scratch chunk; a streamed load: it, its rounded copy and nibbles at most.
-SCRATCH_BYTES, STREAM_SCRATCH_BYTES = 4 << 20, 12 << 20
 
 # What a host process adds at its first forward beyond the tensors counted (thread pools, the
 # kernels' code pages and workspaces), measured on torch-cpu float32 (tests/test_memory_run.py).

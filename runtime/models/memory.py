@@ -5,7 +5,8 @@ config.json, the LoRA spec, AdamW, the base dtype and the micro-batches the job 
 (the batch order is known in advance, so the longest one is known too). The counts follow
 what the engines' autograd keeps for backward through a frozen base with LoRA adapters:
 
-- weights: every base parameter in the base dtype (frozen: no gradients, no moments);
+- weights: every base parameter in the base dtype (frozen: no gradients, no moments); streamed
+  from the file's map (`streamed`), only its 1-D tensors, one layer's mapped bytes and the scratch;
 - LoRA: adapter tensors, their gradients and AdamW's two moments, float32;
 - activations, per token and decoder layer: the inputs of both norms, q/k/v and the
   attention output kept by the fused attention kernel, the MLP's gate, its activation and
@@ -46,6 +47,8 @@ MODES = ("auto", "on", "off")
 # positions, 162 at 472; 162 and 199 backward).
 LOSS_CHUNK_BYTES = 2**28  # 256 MiB
 BYTES_PER_LOGIT = 16  # MLX's, and the plan's: an upper bound for torch's
+# quant_blocks.py's float32 scratch chunk; a streamed load holds it, its rounded copy and nibbles at most.
+SCRATCH_BYTES, STREAM_SCRATCH_BYTES = 4 << 20, 12 << 20
 
 
 def loss_chunk(vocab_size: int, bytes_per_logit: int = BYTES_PER_LOGIT) -> int:
@@ -99,6 +102,17 @@ class Plan:
     shard_why: str = ""  # why it is, or is not
     quantized: bool = False  # the frozen base kept in its quantized blocks (a GGUF's, QLoRA's shape)
     quantized_why: str | None = None  # why it is, or is not (None: not a quantized file)
+    # Streamed (mapped.py): the map's bytes (page cache, not in the peak) and the largest layer's with
+    # the scratch (in weights_gb, as the 1-D tensors resident are).
+    weights: str = "resident"  # or "streamed"
+    streamed_gb: float = 0.0
+    layer_gb: float = 0.0
+    weights_why: str = ""
+
+    @property
+    def base_why(self) -> str | None:
+        """Why the base lies as it does: streamed, or kept quantized or dense (None: a float base, resident)."""
+        return self.weights_why if self.weights == "streamed" else self.quantized_why
 
     @property
     def split(self) -> bool:
@@ -116,6 +130,9 @@ class Plan:
         if self.shards > 1:
             ckpt += f", the base split across {self.shards} ranks"
         base = f"; the base {self.quantized_why}" if self.quantized else ""
+        if self.weights == "streamed":
+            base = (f"; the base {self.estimate.weights_gb - self.layer_gb:.2f} GB resident and {self.streamed_gb:.2f} GB "
+                    f"streamed from the file (one layer and its scratch {self.layer_gb:.2f} GB at a time)")
         return (f"{split}, {ckpt}: about {self.estimate.peak_gb:.1f} GB at the longest micro-batch "
                 f"({self.longest.rows} x {self.longest.seq} tokens) of {self.available_gb:.1f} GB ({self.available_from}){base}")
 
@@ -123,8 +140,9 @@ class Plan:
         return {"micro_batch": self.micro_batch, "grad_accum": self.accum, "grad_checkpoint": self.grad_checkpoint,
                 "estimated_peak_gb": round(self.estimate.peak_gb, 3), "available_gb": round(self.available_gb, 3),
                 "available_from": self.available_from, "longest": [self.longest.rows, self.longest.seq, self.longest.targets],
-                "shards": self.shards, "base_quantized": self.quantized,
-                **self.estimate.parts()}
+                "shards": self.shards, "base_quantized": self.quantized, "weights": self.weights,
+                "resident_gb": round(self.estimate.weights_gb - self.layer_gb, 3), "streamed_gb": round(self.streamed_gb, 3),
+                "layer_gb": round(self.layer_gb, 3), "weights_why": self.weights_why, **self.estimate.parts()}
 
     def candidates(self) -> list[dict]:
         return [{"micro_batch": p.micro_batch, "grad_checkpoint": p.grad_checkpoint, "estimated_peak_gb": round(p.estimate.peak_gb, 3)}
@@ -201,11 +219,15 @@ def weights_per_rank(config: dict, params: int, shards: int = 1) -> float:
 
 
 def estimate(config: dict, targets: tuple, rank: int, act_bytes: int, batch: Batch, grad_checkpoint: bool,
-             runtime_gb: float, params: int | None = None, dropout: bool = False, shards: int = 1) -> Estimate:
+             runtime_gb: float, params: int | None = None, dropout: bool = False, shards: int = 1,
+             streamed: tuple[int, int, int] | None = None) -> Estimate:
     """The predicted peak of one forward/backward over `batch` (plus the optimizer's state), on
-    one of `shards` ranks that split the base (weights_per_rank)."""
+    one of `shards` ranks that split the base (weights_per_rank); `streamed`: the base streamed
+    from the file, its bytes (weights.stream_bytes: resident, mapped, the largest layer's mapped)."""
     a = model_args(config)
     weights = weights_per_rank(config, params if params is not None else base_params(config), shards) * act_bytes
+    if streamed is not None:
+        weights = streamed[0] + streamed[2] + STREAM_SCRATCH_BYTES
     lora_params = sum(rank * (i + o) for name, (i, o) in a.lora_linears().items() if name.split(".")[-1] in targets)
     lora = lora_params * a.num_hidden_layers * 4 * 4  # tensors, gradients, two moments
     kept, transient = layer_bytes_per_token(config, targets, rank, act_bytes, grad_checkpoint, dropout)
@@ -232,17 +254,20 @@ def estimate(config: dict, targets: tuple, rank: int, act_bytes: int, batch: Bat
 
 
 class NoFit(SpillpackError):
-    pass
+    last: "Plan | None" = None  # the least candidate tried, which did not fit either
 
 
 def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, batch: int, grad_accum: int, mode: str,
         available_gb: float, available_from: str, runtime_gb: float, params: int | None = None,
-        max_seq: int | None = None, dropout: bool = False, shards: int = 1) -> Plan:
+        max_seq: int | None = None, dropout: bool = False, shards: int = 1, streamed: tuple | None = None) -> Plan:
     """The plan a step runs under. `batches_at(m)` lists the job's micro-batches (as Batch) when
     each step's examples run m rows at a time. auto: the job's micro-batch as given, then with
     checkpointing, then micro-batches halved (4 x 1, 2 x 2, 1 x 4) until it fits; on: always
-    checkpointing; off: never. Raises NoFit naming what would fit."""
+    checkpointing; off: never. Raises NoFit naming what would fit. `streamed`: as estimate's."""
     assert mode in MODES, mode
+    est = lambda b, ckpt: estimate(config, targets, rank, act_bytes, b, ckpt, runtime_gb, params, dropout, shards, streamed)
+    extra = {} if streamed is None else {"weights": "streamed", "streamed_gb": streamed[1] / GB,
+                                         "layer_gb": (streamed[2] + STREAM_SCRATCH_BYTES) / GB}
     sizes, m = [], batch
     while True:
         sizes.append(m)
@@ -256,33 +281,36 @@ def fit(config: dict, targets: tuple, rank: int, act_bytes: int, batches_at, bat
     for m, ckpt in order:
         if m not in shapes:
             shapes[m] = batches_at(m)
-        worst = max(((estimate(config, targets, rank, act_bytes, b, ckpt, runtime_gb, params, dropout, shards), b)
-                     for b in shapes[m]),
-                    key=lambda eb: eb[0].peak_gb)
-        tried.append(Plan(m, ckpt, worst[0], worst[1], available_gb, available_from, batch, grad_accum))
+        worst = max(((est(b, ckpt), b) for b in shapes[m]), key=lambda eb: eb[0].peak_gb)
+        tried.append(Plan(m, ckpt, worst[0], worst[1], available_gb, available_from, batch, grad_accum, **extra))
     for plan in tried:
         if plan.estimate.peak_gb <= available_gb:
             plan.tried = tried
             return plan
     last = tried[-1]
-    raise NoFit(_no_fit_line(last, mode),
-                _suggestion(config, targets, rank, act_bytes, last, runtime_gb, params, max_seq, dropout, shards))
+    e = NoFit(_no_fit_line(last, mode), _suggestion(est, last, max_seq))
+    e.last = last
+    raise e
 
 
 def _no_fit_line(last: Plan, mode: str) -> str:
     how = "with checkpointing" if last.grad_checkpoint else "without checkpointing (--grad-checkpoint off)"
     where = "this machine has" if last.available_from != "--max-mem-gb" else "--max-mem-gb allows"
-    return f"tune needs about {last.estimate.peak_gb:.1f} GB at micro-batch 1 {how}; {where} {last.available_gb:.1f} GB"
+    streamed = " even with its base streamed from the file" if last.weights == "streamed" else ""
+    return f"tune needs about {last.estimate.peak_gb:.1f} GB at micro-batch 1 {how}{streamed}; {where} {last.available_gb:.1f} GB"
 
 
-def _suggestion(config, targets, rank, act_bytes, last: Plan, runtime_gb, params, max_seq, dropout, shards: int = 1) -> str:
-    """The longest --max-seq that would fit at micro-batch 1 with checkpointing, else the memory needed."""
+def _suggestion(est, last: Plan, max_seq) -> str:
+    """The longest --max-seq that would fit at micro-batch 1 with checkpointing, else the memory needed
+    (`est(batch, checkpointing)`: fit's estimate)."""
     longest = last.longest
     seq = min(max_seq or longest.seq, longest.seq)
     while seq >= 32:
         seq //= 2
         shorter = Batch(1, seq, max(1, longest.targets * seq // max(1, longest.seq)))
-        if estimate(config, targets, rank, act_bytes, shorter, True, runtime_gb, params, dropout, shards).peak_gb <= last.available_gb:
+        if est(shorter, True).peak_gb <= last.available_gb:
             return f"spillpack tune ... --max-seq {seq}"
-    floor = estimate(config, targets, rank, act_bytes, Batch(1, 32, 16), True, runtime_gb, params, dropout, shards).peak_gb
-    return f"a machine with at least {floor:.1f} GB free (the weights alone need {last.estimate.weights_gb:.1f} GB), or a smaller model"
+    floor = est(Batch(1, 32, 16), True).peak_gb
+    weights = (f"the streamed weights alone need {last.estimate.weights_gb:.2f} GB" if last.weights == "streamed"
+               else f"the weights alone need {last.estimate.weights_gb:.1f} GB")
+    return f"a machine with at least {floor:.1f} GB free ({weights}), or a smaller model"

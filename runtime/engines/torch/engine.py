@@ -138,9 +138,13 @@ class TorchTrainSession:
     splits_rows = True  # a micro-batch's rows may run on several threads at once
 
     def _build(self, model_dir, tensors: dict):
-        """The frozen base with its LoRA wrappers, and the trainable parameters by name."""
-        quantized = self.engine.keeps_quantized(model_dir) and (self.engine.quantize or True)  # QLoRA's shape (quant_grad.py)
-        model = load_model(model_dir, dtype=self.engine.base_dtype, device=self.engine.device, quantized=quantized, tune=quantized)
+        """The frozen base with its LoRA wrappers, and the trainable parameters by name: resident (kept
+        quantized: QLoRA's shape, quant_grad.py), or streamed from the file's map where the plan says
+        (placement.stream_why): its products and its input's gradients read the map."""
+        streamed = self.engine.stream_why(model_dir)[0]
+        quantized = not streamed and self.engine.keeps_quantized(model_dir) and (self.engine.quantize or True)
+        model = load_model(model_dir, dtype=self.engine.base_dtype, device=self.engine.device, quantized=quantized,
+                           tune=bool(quantized) or streamed, streamed=streamed)
         freeze(model, self.engine)
         return model, apply_lora(model, tensors, self.spec, self.engine.device, self.keys)
 

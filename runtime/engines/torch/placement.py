@@ -76,10 +76,15 @@ class WeightPlacement:
                    source: str = "") -> tuple[bool, str]:
         """(streamed from the file's map, why): resident where the plan with the weights resident fits
         the memory the job may use, as runtime.models.mapped.choice says; decided once per model by
-        the row job's plan (sizing.plan_rows), so plan and load agree (unplanned: SPILLPACK_WEIGHTS)."""
+        the job's plan (sizing.plan_rows, sizing.plan_tune), so plan and load agree (unplanned:
+        SPILLPACK_WEIGHTS). A tune with --quantize stays resident: its base's blocks are made at load,
+        and the file's map holds only the float weights, which would train another adapter."""
         from runtime.models.mapped import choice
 
         key = str(model_dir.path)
+        if key not in self._streamed and self.training and self.quantize is not None:
+            self._streamed[key] = (False, "resident: --quantize makes the base's blocks at load, and the file holds "
+                                          "its float weights")
         if key not in self._streamed:
             if resident_peak_gb is None:
                 resident_peak_gb, available_gb, source = 0.0, float("inf"), "no plan"

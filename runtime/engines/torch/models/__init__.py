@@ -69,7 +69,7 @@ def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", cpu_inf
     which no gradient may reach; `quantized` (inference on a CPU): a GGUF's quantized weights kept
     in their blocks (quant_linear.py), never dequantized whole (but the head's weight, with
     `dense_head`); with `tune`, laid out for a tune's frozen base (quant_layout.quantized_modules);
-    `streamed` (inference on a CPU): every 2-D weight a view of its file's map (streamed.py), no
+    `streamed` (on a CPU; a tune's with `tune`): every 2-D weight a view of its file's map (streamed.py), no
     layout that would copy it."""
     arch = architecture(model_dir.config, str(model_dir.path / "config.json"))
     args = arch.args.from_dict(model_dir.config)

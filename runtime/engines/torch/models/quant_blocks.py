@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.models.generation_memory import SCRATCH_BYTES  # a chunk of dequantized rows (the planner counts it)
+from runtime.models.memory import SCRATCH_BYTES  # a chunk of dequantized rows (the planner counts it)
 
 GROUP = 32  # values a block of Q8_0, Q4_0 and Q4_1 (and the int4pack group size)
 INT4PACK_TYPES = ("Q4_0", "Q4_1")
