@@ -177,6 +177,7 @@ def tune_args(tmp_path, name, *extra):
             "--state", str(tmp_path / name), *TUNE, *extra]
 
 
+@pytest.mark.slow
 def test_under_a_limit_below_the_resident_tune_the_tune_streams_its_base_to_the_same_adapter(tmp_path, home):
     from safetensors.numpy import load_file
 

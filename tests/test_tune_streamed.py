@@ -103,6 +103,7 @@ def test_a_streamed_float_checkpoint_tunes_the_resident_tunes_adapter(tmp_path, 
     assert_same(streamed, resident, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_sigterm_with_a_streamed_base_exits_75_and_resumes_to_the_same_adapter(gguf_reference, tmp_path, home):
     state = tmp_path / "sig"
     args = ["tune", str(smollm2_gguf()), DATA, "--name", "sig", "--state", str(state), *ARGS]
@@ -118,6 +119,7 @@ def test_a_sigterm_with_a_streamed_base_exits_75_and_resumes_to_the_same_adapter
     assert_same(state / "adapter", gguf_reference)
 
 
+@pytest.mark.slow
 def test_max_mem_gb_below_the_resident_plan_streams_and_below_the_streamed_one_is_one_line(gguf_reference, tmp_path, home):
     r = run_cli(["tune", str(smollm2_gguf()), DATA, "--name", "p", "--state", str(tmp_path / "p"), *ARGS, "--plan",
                  "--max-mem-gb", "1.0"], env=ENV)
