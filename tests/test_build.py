@@ -38,6 +38,13 @@ def test_bad_folders_give_one_line(home, tmp_path):
     assert r.returncode == 1 and "no teacher to answer the prompts" in r.stderr
     r = run_cli(["build", str(small_folder(tmp_path / "i")), "--stop-after", "distill", "--state", str(tmp_path / "s3")])
     assert r.returncode == 1 and "no distill stage" in r.stderr
+    r = run_cli(["build", str(tmp_path / "i"), "--stop-after", "evl:2", "--state", str(tmp_path / "s4")])
+    assert r.returncode == 1 and "STAGE one of distill, tune, eval, not 'evl:2'" in r.stderr and "Traceback" not in r.stderr
+    # A state path the eval stage's --adapter tuned=PATH would read as two adapters: refused before any stage runs.
+    odd = tmp_path / "a,b=c"
+    r = run_cli(["build", str(tmp_path / "i"), "--steps", "1", "--state", str(odd)])
+    assert r.returncode == 1 and "would read as two adapters" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (odd / "stages").exists()
 
 
 @pytest.mark.slow

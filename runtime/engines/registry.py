@@ -66,7 +66,7 @@ def get_engine(name: str, dtype: str | None = None, width: int | None = None, ke
     model's hidden size; `kept`: the dtype this job ran on this engine before; `training`: the
     engine is a tune's (a CPU's policy may differ); `shape`: the config of the model a row job
     generates with; `quantize`: --quantize (runtime.models.quantize, torch-cpu only); `max_mem_gb`:
---max-mem-gb, the memory the torch engine decides its weights' placement for. kw: the torch
+    --max-mem-gb, the memory the torch engine decides its weights' placement for. kw: the torch
     engine's device and base_dtype (tests and benchmarks run CUDA's arithmetic on a CPU)."""
     from runtime.models.quantize import block_type
 

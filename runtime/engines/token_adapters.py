@@ -42,3 +42,15 @@ class TokenAdapters:
     def index(self, rows: np.ndarray):
         """The engine's index of these token rows (a device tensor, an mx.array)."""
         return rows
+
+
+def updates_by_module(adapters: list[tuple[dict, object]], as_array) -> dict[str, dict[int, tuple]]:
+    """Each targeted linear's updates: module name -> {adapter index: (A (r, in), B (out, r), scale)},
+    `adapters` ((tensors, LoraSpec) each, PEFT's canonical names) in index order, each A and B
+    made an engine's float32 array by `as_array`. What both engines' apply_adapters wrap."""
+    out: dict[str, dict[int, tuple]] = {}
+    for i, (tensors, spec) in enumerate(adapters):
+        for name in sorted({k.rsplit(".lora_", 1)[0] for k in tensors}):
+            A, B = (as_array(tensors[f"{name}.lora_{x}.weight"]) for x in "AB")
+            out.setdefault(name, {})[i] = (A, B, spec.scale)
+    return dict(sorted(out.items()))

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from runtime.engines.mlx.models import submodule
-from runtime.engines.token_adapters import TokenAdapters
+from runtime.engines.token_adapters import TokenAdapters, updates_by_module
 
 
 class AdapterRows(TokenAdapters):
@@ -72,13 +72,8 @@ def apply_adapters(model: nn.Module, adapters: list[tuple[dict, object]]) -> Ada
     """Wrap every linear any of `adapters` ((tensors, LoraSpec) each, PEFT's canonical names)
     targets; adapter i is index i. Returns the model's AdapterRows (also `model.adapter_rows`)."""
     rows = AdapterRows()
-    per_module: dict[str, dict] = {}
-    for i, (tensors, spec) in enumerate(adapters):
-        for name in sorted({k.rsplit(".lora_", 1)[0] for k in tensors}):
-            A = mx.array(tensors[f"{name}.lora_A.weight"], dtype=mx.float32)
-            B = mx.array(tensors[f"{name}.lora_B.weight"], dtype=mx.float32)
-            per_module.setdefault(name, {})[i] = (A, B, spec.scale)
-    for name, updates in sorted(per_module.items()):
+    per_module = updates_by_module(adapters, lambda a: mx.array(a, dtype=mx.float32))
+    for name, updates in per_module.items():
         parent_name, _, child = name.rpartition(".")
         parent = submodule(model, parent_name)
         setattr(parent, child, MultiLoRALinear(getattr(parent, child), rows, updates))

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.engines.token_adapters import TokenAdapters
+from runtime.engines.token_adapters import TokenAdapters, updates_by_module
 from runtime.engines.torch.models import routed_tokens
 
 
@@ -93,13 +93,8 @@ def apply_adapters(model: nn.Module, adapters: list[tuple[dict, object]], device
     """Wrap every linear any of `adapters` ((tensors, LoraSpec) each, PEFT's canonical names)
     targets; adapter i is index i. Returns the model's AdapterRows (also `model.adapter_rows`)."""
     rows = AdapterRows(device)
-    per_module: dict[str, dict] = {}
-    for i, (tensors, spec) in enumerate(adapters):
-        for name in sorted({k.rsplit(".lora_", 1)[0] for k in tensors}):
-            A = torch.tensor(tensors[f"{name}.lora_A.weight"], dtype=torch.float32, device=device)
-            B = torch.tensor(tensors[f"{name}.lora_B.weight"], dtype=torch.float32, device=device)
-            per_module.setdefault(name, {})[i] = (A, B, spec.scale)
-    for name, updates in sorted(per_module.items()):
+    per_module = updates_by_module(adapters, lambda a: torch.tensor(a, dtype=torch.float32, device=device))
+    for name, updates in per_module.items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, MultiLoRALinear(getattr(parent, child), rows, updates))
