@@ -258,7 +258,7 @@ def test_a_tracking_server_that_is_down_or_hangs_never_fails_the_job(home, tmp_p
         for n, uri in enumerate(("http://127.0.0.1:9", f"http://127.0.0.1:{hang.getsockname()[1]}")):
             state = tmp_path / f"s{n}"
             r = run_cli(BASE[:3] + ["--steps", "6", "--state", str(state), "--report-to", "mlflow,tensorboard"],
-                        env={"SPILLPACK_MLFLOW_URI": uri, "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"})
+                        env={"SPILLPACK_MLFLOW_URI": uri, "MLFLOW_HTTP_REQUEST_TIMEOUT": "60", "SPILLPACK_TRACKER_WAIT_S": "3"})
             assert r.returncode == 0, r.stderr
             events = events_of(r.stdout)
             assert [e for e in events if e["event"] == "done"][0]["complete"]
@@ -271,6 +271,16 @@ def test_a_tracking_server_that_is_down_or_hangs_never_fails_the_job(home, tmp_p
 
 
 @pytest.mark.slow
+def test_a_bad_tracker_wait_is_refused_before_the_job(home, tmp_path):
+    state = tmp_path / "s"
+    r = run_cli(BASE[:3] + ["--steps", "2", "--state", str(state), "--report-to", "tensorboard"],
+                env={"SPILLPACK_TRACKER_WAIT_S": "soon"})
+    assert r.returncode == 1
+    assert r.stderr.strip() == ("spillpack: SPILLPACK_TRACKER_WAIT_S='soon' is not a number of seconds from 0 to 3600. "
+                                "Try: export SPILLPACK_TRACKER_WAIT_S=30")
+    assert not (state / "trackers").exists()
+
+
 def test_pack_carries_the_trackers_wheels_and_the_bundle_logs_with_them(phome, tmp_path, tiny_home):
     from conftest import clean_env
 

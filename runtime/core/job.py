@@ -41,7 +41,6 @@ from runtime.base.paths import spillpack_home
 from runtime.state.jobstate import JobState
 from runtime.state.uri import open_store
 
-CLOSE_WAIT_S = 5.0  # at most this long for --report-to's trackers to catch up at the end of a process
 RECENT_QUANTA = 10  # how many recent quanta judge whether the one in flight fits the promise
 
 
@@ -216,8 +215,9 @@ class Job:
         if self.reporter is not None:  # flushed within a few seconds (a preempted job still exits within its grace)
             self.events.detach(self.reporter)
             # Stopped by a signal: the trackers get what is left of the grace, less a margin for the exit itself.
-            left = self.preemption.seconds_left() - 1.0 if self.preemption.t_signal is not None else CLOSE_WAIT_S
-            self.reporter.close(max(0.2, min(CLOSE_WAIT_S, left)))
+            wait_s = trackers.close_wait_s()
+            left = self.preemption.seconds_left() - 1.0 if self.preemption.t_signal is not None else wait_s
+            self.reporter.close(max(0.2, min(wait_s, left)))
             for message in self.reporter.warnings():
                 self.events.emit("warning", message=message)
             self.reporter = None

@@ -27,6 +27,9 @@ TRACKERS = {
     "wandb": ("runtime.trackers.wandb", "wandb", "wandb"),
 }
 ENV = "SPILLPACK_REPORT_TO"
+# How long the trackers get to catch up at the end of a process that was not stopped (a stopped
+# one gets what is left of its grace): a tracking server on a busy host can take seconds a call.
+WAIT_ENV, WAIT_S, WAIT_MAX_S = "SPILLPACK_TRACKER_WAIT_S", 30.0, 3600.0
 
 
 class Tracker(Protocol):
@@ -78,9 +81,25 @@ def module(name: str):
     return importlib.import_module(TRACKERS[name][0])
 
 
+def close_wait_s() -> float:
+    """SPILLPACK_TRACKER_WAIT_S in seconds (default 30); `check` refuses a bad one before the job."""
+    raw = os.environ.get(WAIT_ENV, "").strip()
+    if not raw:
+        return WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= WAIT_MAX_S:  # NaN fails both
+        raise SpillpackError(f"{WAIT_ENV}={raw!r} is not a number of seconds from 0 to {WAIT_MAX_S:.0f}", f"export {WAIT_ENV}={WAIT_S:.0f}")
+    return value
+
+
 def check(names: list[str], state_uri: str, job_name: str, command: str) -> None:
     """Before the job starts: each tracker's library is installed and where it writes is writable,
     else one line with what to do."""
+    if names:
+        close_wait_s()
     for name in names:
         _, library, dist = TRACKERS[name]
         try:
