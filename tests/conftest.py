@@ -138,10 +138,27 @@ def clean_env(home: Path, extra=None) -> dict:
 
 
 def run_cli(args, env=None, timeout=300, **kw) -> subprocess.CompletedProcess:
-    """Run the CLI as a user does: a subprocess, headless JSON lines on stdout."""
+    """Run the CLI as a user does: a subprocess, headless JSON lines on stdout. Forked from a
+    process that imported torch already where the call allows (tests/support/forkcli.py)."""
+    from tests.support import forkcli
+
     full_env = {**os.environ, "SPILLPACK_HEADLESS": "1", **(env or {})}
+    cwd = kw.pop("cwd", REPO)
+    if not kw:
+        r = forkcli.run(args, full_env, cwd, timeout, REPO)
+        if r is not None:
+            return r
     return subprocess.run([sys.executable, "-m", "spillpack", *args], capture_output=True, text=True, env=full_env,
-                          timeout=timeout, cwd=kw.pop("cwd", REPO), **kw)
+                          timeout=timeout, cwd=cwd, **kw)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_servers():
+    """run_cli's fork servers, stopped at the end of the session."""
+    from tests.support import forkcli
+
+    yield
+    forkcli.close_all()
 
 
 def events_of(stdout: str) -> list[dict]:

@@ -315,7 +315,8 @@ def test_make_image_on_a_full_disk_is_one_line_and_tags_nothing(image, base, tmp
     tag = f"localhost/spillpack-test-{uuid.uuid4().hex[:8]}:cpu"
     try:
         r = subprocess.run([sys.executable, str(REPO / "docker" / "image.py"), "--base", base, "--tag", tag,
-                            "--context", str(small)], capture_output=True, text=True, env=ct.engine_env(), timeout=900)
+                            "--context", str(small)], capture_output=True, text=True,
+                           env={**ct.engine_env(), **ct.torch_index_env()}, timeout=900)  # the image fixture's wheelhouse
     finally:
         subprocess.run(["umount", str(small)], check=True)
     assert r.returncode == 1, r.stderr
