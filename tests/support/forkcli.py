@@ -148,7 +148,8 @@ def load_time_env(env: dict) -> dict:
 
 class Server:
     def __init__(self, env: dict, repo: Path):
-        self.dir = Path(tempfile.mkdtemp(prefix="spillpack-forkcli-"))
+        # In /tmp itself: a socket's path has at most 107 bytes, and a test may point TMPDIR deep.
+        self.dir = Path(tempfile.mkdtemp(prefix="spillpack-forkcli-", dir="/tmp"))
         self.path = str(self.dir / "sock")
         self.env = load_time_env(env)
         self.log = open(self.dir / "server.log", "w")
@@ -157,6 +158,7 @@ class Server:
         deadline = time.monotonic() + 120
         while not os.path.exists(self.path):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
                 raise RuntimeError(f"the fork server did not start: {(self.dir / 'server.log').read_text()[-2000:]}")
             time.sleep(0.05)
 
@@ -224,15 +226,26 @@ def run(args, env: dict, cwd, timeout: float, repo: Path) -> subprocess.Complete
     if not enabled():
         return None
     key = json.dumps(load_time_env(env), sort_keys=True)
+    if key in _servers and _servers[key] is None:
+        return None
     server = _servers.get(key)
     if server is None or not server.alive():
-        if len(_servers) >= 3:  # an odd environment is a fresh interpreter, not one more server
+        if server is not None:  # it died: another takes its place
+            server.close()
+            del _servers[key]
+        if len([s for s in _servers.values() if s is not None]) >= 3:  # an odd environment is a fresh interpreter, not one more server
             return None
-        server = _servers[key] = Server(env, repo)
+        try:
+            server = _servers[key] = Server(env, repo)
+        except RuntimeError as e:  # the call still runs, in a fresh interpreter, and the reason is kept
+            print(f"forkcli: {e}", file=sys.stderr)
+            _servers[key] = None  # not tried again in this worker
+            return None
     return server.run(args, env, cwd, timeout)
 
 
 def close_all() -> None:
     for server in _servers.values():
-        server.close()
+        if server is not None:
+            server.close()
     _servers.clear()
