@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.base.heap import trim_heap
 from runtime.engines.torch.models.layout import LAID_OUT
 from runtime.engines.torch.models.quant_blocks import Blocks, blocks_of, dense_copy
 from runtime.engines.torch.models.quant_linear import HollowLinear, QuantEmbedding, QuantLinear
@@ -36,6 +37,9 @@ def quantized_modules(model: nn.Module, weights: dict, dtype, dense_head: bool =
     if dense_head and isinstance(weights.get(key := head_key(weights)), Blocks):
         qt = weights[key]
         weights[key] = dense_copy(qt, *qt.shape, dtype)
+        del qt  # its blocks are not held through the joins below
+        trim_heap()
+    freed = Freed()
     quant = {k: weights.pop(k) for k in [k for k, v in weights.items() if isinstance(v, Blocks)]}
     rest = weights
     for parent_name, parent in list(model.named_modules()):
@@ -52,7 +56,8 @@ def quantized_modules(model: nn.Module, weights: dict, dtype, dense_head: bool =
                 del quant[f"{f}.weight"]
                 parent._modules[n] = HollowLinear(qt.shape, dtype, qt.kind)
             parent.__dict__["joined_linears"] = (LAID_OUT, (one, None, [qt.shape[0] for qt in qts]))
-            del qts, one
+            freed.add(sum(qt.nbytes() for qt in qts))
+            del qts, one, qt
     for key in list(quant):
         qt = quant.pop(key)
         name = key.removesuffix(".weight")
@@ -65,7 +70,26 @@ def quantized_modules(model: nn.Module, weights: dict, dtype, dense_head: bool =
             parent._modules[child] = QuantLinear(qt, rest.pop(f"{name}.bias", None), dtype, "scratch" if tune else _kernel(qt))
         else:
             rest[key] = dense_copy(qt, *qt.shape, dtype)
+        freed.add(qt.nbytes())
+        del qt
     return rest
+
+
+class Freed:
+    """The pages of the blocks a layout replaced, handed back every TRIM_BYTES: glibc keeps what a
+    load frees for later allocations, so without it the load's peak holds every block freed so far
+    beside the layouts made from them."""
+
+    TRIM_BYTES = 16 * 2**20
+
+    def __init__(self):
+        self.pending = 0
+
+    def add(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= self.TRIM_BYTES:
+            trim_heap()
+            self.pending = 0
 
 
 def kernels(model: nn.Module) -> dict[str, int]:
