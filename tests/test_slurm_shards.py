@@ -14,7 +14,7 @@ from test_slurm import in_queue, job_env, log_events, sbatch, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]  # one cluster: one worker
 
-ROWS = 18
+ROWS = 60  # 20 rows a task: on a quiet machine 6 ended before Slurm's scheduler preempted one
 SHARDS = 3
 
 
