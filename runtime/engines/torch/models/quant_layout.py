@@ -76,9 +76,9 @@ def quantized_modules(model: nn.Module, weights: dict, dtype, dense_head: bool =
 
 
 class Freed:
-    """The pages of the blocks a layout replaced, handed back every TRIM_BYTES: glibc keeps what a
-    load frees for later allocations, so without it the load's peak holds every block freed so far
-    beside the layouts made from them."""
+    """glibc's free pages handed back after every TRIM_BYTES of blocks laid out (some replaced by
+    their layout, some kept by it): glibc keeps what a load frees for later allocations, so without
+    it the load's peak holds every block replaced so far beside the layouts made from them."""
 
     TRIM_BYTES = 16 * 2**20
 
