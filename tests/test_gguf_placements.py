@@ -31,8 +31,10 @@ TOL = 1e-4  # to transformers, and to the dense placement
 # its larger float32 linears out for oneDNN, whose sums run in another order: measured up to
 # 1.4e-5 from these placements' logits (qwen3), 3.5e-5 on the random MoE, whose routing amplifies
 # float32's rounding (on other ids transformers' own float32 logits land 1.3e-4 from the float64
-# model's), so it is held to TOL.
-SAME = 1e-5
+# model's), so it is held to TOL. Between the other placements and the dense load the same sums
+# still land some float32 steps apart on some CPUs (gemma3 and phi3 on the scratch: up to 1.9e-5
+# on a logit of 16, ten steps there): SAME_REL adds eight steps of each logit's own size.
+SAME, SAME_REL = 1e-5, 1e-6
 PLACEMENTS = {"dense": {}, "scratch": {"SPILLPACK_QUANT_GEMM": "scratch"}, "int4pack": {"SPILLPACK_QUANT_GEMM": "int4pack"},
               "streamed": {"SPILLPACK_WEIGHTS": "stream"}}
 NAMES = sorted(FAMILIES)
@@ -108,7 +110,7 @@ def test_each_placement_gives_transformers_logits_and_the_dense_ones(gguf_oracle
         want = hf(input_ids=ids_for(md)).logits
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=TOL, rtol=0)
     np.testing.assert_allclose(got.numpy(), dense.numpy(), atol=TOL, rtol=0)
-    np.testing.assert_allclose(got.numpy(), dense_load(name).numpy(), atol=SAME, rtol=0)
+    np.testing.assert_allclose(got.numpy(), dense_load(name).numpy(), atol=SAME, rtol=SAME_REL)
 
 
 PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.", "hi"]
