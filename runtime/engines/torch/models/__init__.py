@@ -15,7 +15,7 @@ from runtime.base.heap import trim_heap
 from runtime.engines.torch.models.layout import cpu_inference_layout, join_linears
 from runtime.models.arch import architecture
 from runtime.models.quantize import quantizable, quantized as quantize_array
-from runtime.models.weights import check_weights, read_tensors, weight_files
+from runtime.models.weights import check_weights, read_tensors, tensor_shapes, weight_files
 
 if TYPE_CHECKING:
     from runtime.models.ref import ModelDir
@@ -42,7 +42,10 @@ def converted_tensors(files, dtype, device, rows=None, quantized: bool = False):
         if not isinstance(array, np.ndarray):  # a QuantTensor
             from runtime.engines.torch.models.quant_blocks import blocks_of
 
-            yield name, blocks_of(array)
+            blocks = blocks_of(array)
+            if not array.mapped:  # the readers' frames hold it until their next tensor: its bytes are the blocks' now
+                array.raw = None
+            yield name, blocks
             continue
         t = torch.from_numpy(array)
         if kind == "BF16":
@@ -50,10 +53,10 @@ def converted_tensors(files, dtype, device, rows=None, quantized: bool = False):
         yield name, t.to(device=device, dtype=dtype)
 
 
-def load_weights(files, dtype, device, quantized: bool = False) -> dict:
+def load_weights(files, dtype, device) -> dict:
     """Tensor by tensor: each is converted (and moved) before the next is read, so the host
     never holds the file's copy beside the converted one."""
-    return dict(converted_tensors(files, dtype, device, quantized=quantized))
+    return dict(converted_tensors(files, dtype, device))
 
 
 def load_checkpoint(model_dir: "ModelDir", dtype=torch.float32, device="cpu") -> dict:
@@ -77,20 +80,28 @@ def load_model(model_dir: "ModelDir", dtype=torch.float32, device="cpu", cpu_inf
     with torch.device("meta"):
         model = model_file(arch).Model(args)
     files = weight_files(model_dir.path)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     maps: set = set()
     if streamed:
         from runtime.engines.torch.models.streamed import streamed_tensors
 
         weights = arch.sanitize(args, dict(streamed_tensors(files, dtype, maps)))
+        check_weights(expected, {k: tuple(v.shape) for k, v in weights.items()}, files, model_dir)
         quantized, cpu_inference = True, False  # its Blocks become quantized modules; a layout would copy the map
+        weights = weights.items()
+    elif quantized:  # checked on the headers, then laid out as it is read (quant_layout.quantized_modules)
+        shapes = tensor_shapes(files)
+        named = arch.sanitize(args, {k: k for k in shapes})  # the model's name -> the file's
+        check_weights(expected, {k: shapes[v] for k, v in named.items()}, files, model_dir)
+        ours = {v: k for k, v in named.items()}
+        weights = ((ours[k], t) for k, t in converted_tensors(files, dtype, device, quantized=quantized) if k in ours)
     else:
-        weights = arch.sanitize(args, load_weights(files, dtype, device, quantized))
-    check_weights({k: tuple(v.shape) for k, v in model.state_dict().items()},
-                  {k: tuple(v.shape) for k, v in weights.items()}, files, model_dir)
+        weights = arch.sanitize(args, load_weights(files, dtype, device))
+        check_weights(expected, {k: tuple(v.shape) for k, v in weights.items()}, files, model_dir)
     if quantized:
-        from runtime.engines.torch.models.quant_layout import quantized_modules
+        from runtime.engines.torch.models.quant_layout import head_key, quantized_modules
 
-        weights = quantized_modules(model, weights, dtype, dense_head, tune)
+        weights = quantized_modules(model, weights, dtype, head_key(expected), dense_head, tune)
     model.load_state_dict(weights, strict=True, assign=True)
     del weights
     if cpu_inference:

@@ -255,10 +255,21 @@ def scratch_product(x: torch.Tensor, blocks, rows: int, cols: int, linear=F.line
     return out
 
 
+# Rows packed at a time: the kernel takes int32 values (8 times their packed bytes), so a whole 7B
+# gate/up pair would pass through 360 MB of them. Its rows pack in tiles of 64 (the last may be
+# any multiple of 16, as for the whole), each alone as in the whole weight.
+PACK_ROWS_VALUES = 2**20
+
+
 def int4pack(blocks: Q4Blocks, rows: int, cols: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed weight, scales and zeros (blocks, rows, 2)) for _weight_int4pack_mm_for_cpu."""
-    q = blocks.nibbles().reshape(rows, cols).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    packed, step = None, max(64, PACK_ROWS_VALUES // cols // 64 * 64)
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        part = torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.nibbles(lo, hi).reshape(hi - lo, cols).to(torch.int32), 1)
+        if packed is None:
+            packed = torch.empty(rows, *part.shape[1:], dtype=part.dtype)
+        packed[lo:hi] = part
     d = blocks.d.float()[..., 0]  # (rows, blocks)
     zero = torch.zeros_like(d) if blocks.m is None else blocks.m.float()[..., 0] + 8 * d
     return packed, torch.stack([d, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)

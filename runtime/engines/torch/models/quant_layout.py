@@ -17,79 +17,95 @@ from runtime.engines.torch.models.quant_linear import HollowLinear, QuantEmbeddi
 HEAD_KEYS = ("lm_head.weight", "model.embed_tokens.weight")  # the head: its own weight, else the tied embedding
 
 
-def head_key(weights) -> str:
+def head_key(names) -> str:
     """The weight the logits multiply by: the head's own, else the embedding it is tied to."""
-    return next(k for k in HEAD_KEYS if k in weights)
+    return next(k for k in HEAD_KEYS if k in names)
 
 
-def quantized_modules(model: nn.Module, weights: dict, dtype, dense_head: bool = False, tune: bool = False) -> dict:
-    """Put the quantized modules in `model` (built on the meta device) for the Blocks of `weights`
-    (load_weights' quantized tensors), taking each out of `weights` as its module is made (so the
-    blocks are held once: a joined group's or int4pack's layout replaces them); returns the dense tensors left for
-    load_state_dict (the quantized linears' biases taken into their modules). A quantized weight
-    of a module that is neither an nn.Linear nor an nn.Embedding (a family's own) is dequantized:
-    nothing is left unloaded. With `dense_head` the head's weight is dequantized (head_key): the
-    logits' product runs over every row of the vocabulary at every step, where the scratch's
-    dequantization costs several times the product (SmolLM2's Q8_0 49152 x 576 head, bfloat16,
-    32 rows: 93-107 ms a step against 15-22 ms dense). `tune`: for a tune's frozen base
-    (quant_grad.py), each linear on its own, on the scratch, whose blocks its input's gradient is
-    taken through (joined_outputs runs a group apart where a gradient flows back)."""
-    if dense_head and isinstance(weights.get(key := head_key(weights)), Blocks):
-        qt = weights[key]
-        weights[key] = dense_copy(qt, *qt.shape, dtype)
-        del qt  # its blocks are not held through the joins below
-        trim_heap()
-    freed = Freed()
-    quant = {k: weights.pop(k) for k in [k for k, v in weights.items() if isinstance(v, Blocks)]}
-    rest = weights
-    for parent_name, parent in list(model.named_modules()):
-        for names in () if tune else getattr(parent, "joined", ()):
-            full = [f"{parent_name}.{n}" for n in names]
-            if not all(f"{f}.weight" in quant and type(parent._modules[n]) is nn.Linear for f, n in zip(full, names)):
-                continue
-            qts = [quant[f"{f}.weight"] for f in full]
-            one = join(qts, [rest.get(f"{f}.bias") for f in full], dtype)
-            if one is None:  # types or widths differ: each linear its own quantized module
-                continue
-            for f, n, qt in zip(full, names, qts):
-                rest.pop(f"{f}.bias", None)
-                del quant[f"{f}.weight"]
-                parent._modules[n] = HollowLinear(qt.shape, dtype, qt.kind)
-            parent.__dict__["joined_linears"] = (LAID_OUT, (one, None, [qt.shape[0] for qt in qts]))
-            freed.add(sum(qt.nbytes() for qt in qts))
-            del qts, one, qt
-    for key in list(quant):
-        qt = quant.pop(key)
-        name = key.removesuffix(".weight")
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        old = parent._modules[child]
-        if isinstance(old, nn.Embedding):
-            parent._modules[child] = QuantEmbedding(qt, dtype)
-        elif type(old) is nn.Linear:
-            parent._modules[child] = QuantLinear(qt, rest.pop(f"{name}.bias", None), dtype, "scratch" if tune else _kernel(qt))
-        else:
-            rest[key] = dense_copy(qt, *qt.shape, dtype)
-        freed.add(qt.nbytes())
-        del qt
+def quantized_modules(model: nn.Module, weights, dtype, head: str, dense_head: bool = False, tune: bool = False) -> dict:
+    """Put the quantized modules in `model` (built on the meta device) for the Blocks among
+    `weights` ((name, tensor) pairs in the file's order, as the load reads them), each laid out as
+    soon as all its module takes has come: a joined group's weights (q/k/v, gate/up: their rows
+    end to end, one product) and every bias. So the load holds the layouts made so far and the
+    blocks of one group, never the file's blocks beside their layouts. Returns the dense tensors
+    left for load_state_dict (the quantized linears' biases taken into their modules). A
+    quantized weight of a module that is neither an nn.Linear nor an nn.Embedding (a family's
+    own) is dequantized: nothing is left unloaded. With `dense_head` the weight `head` (head_key)
+    is dequantized: the logits' product runs over every row of the vocabulary at every step,
+    where the scratch's dequantization costs several times the product (SmolLM2's Q8_0 49152 x
+    576 head, bfloat16, 32 rows: 93-107 ms a step against 15-22 ms dense). `tune`: for a tune's
+    frozen base (quant_grad.py), each linear on its own, on the scratch, whose blocks its input's
+    gradient is taken through (joined_outputs runs a group apart where a gradient flows back)."""
+    groups = {} if tune else joinable_groups(model)
+    rest, pending = {}, {}
+    for key, t in weights:
+        if isinstance(t, Blocks) and dense_head and key == head:
+            rest[key] = dense_copy(t, *t.shape, dtype)
+            del t  # its blocks are not held through the layers' layouts
+            trim_heap()
+            continue
+        (pending if isinstance(t, Blocks) else rest)[key] = t
+        del t
+        name = key.rpartition(".")[0]
+        group = groups.get(name, (name,))
+        if all(f"{f}.weight" in pending and (f"{f}.bias" in rest or not _has_bias(model, f)) for f in group):
+            if len(group) == 1 or not _join_group(model, group, pending, rest, dtype):
+                for f in group:
+                    _lay_out(model, f"{f}.weight", pending.pop(f"{f}.weight"), rest, dtype, tune)
+            # glibc keeps what a layout frees (the file's bytes, the blocks it replaced, int4pack's
+            # int32 values: about 12 bytes a weight) for later allocations: handed back at once,
+            # the load's high-water mark stays that of the layouts held, not of all it freed.
+            trim_heap()
+    for key in list(pending):  # a group one of whose weights came dense: each linear its own module
+        _lay_out(model, key, pending.pop(key), rest, dtype, tune)
     return rest
 
 
-class Freed:
-    """glibc's free pages handed back after every TRIM_BYTES of blocks laid out (some replaced by
-    their layout, some kept by it): glibc keeps what a load frees for later allocations, so without
-    it the load's peak holds every block replaced so far beside the layouts made from them."""
+def joinable_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Module name -> the full names of the nn.Linear group it is joined in (a family's `joined`)."""
+    out = {}
+    for parent_name, parent in model.named_modules():
+        for names in getattr(parent, "joined", ()):
+            if all(type(parent._modules.get(n)) is nn.Linear for n in names):
+                full = tuple(f"{parent_name}.{n}" for n in names)
+                out.update(dict.fromkeys(full, full))
+    return out
 
-    TRIM_BYTES = 16 * 2**20
 
-    def __init__(self):
-        self.pending = 0
+def _has_bias(model: nn.Module, name: str) -> bool:
+    module = model.get_submodule(name)
+    return type(module) is nn.Linear and module.bias is not None
 
-    def add(self, nbytes: int) -> None:
-        self.pending += nbytes
-        if self.pending >= self.TRIM_BYTES:
-            trim_heap()
-            self.pending = 0
+
+def _join_group(model: nn.Module, full: tuple[str, ...], pending: dict, rest: dict, dtype) -> bool:
+    """The group's linears as one QuantLinear (its members hollow), their blocks and biases taken
+    out of `pending` and `rest`; False where their types or widths differ."""
+    qts = [pending[f"{f}.weight"] for f in full]
+    one = join(qts, [rest.get(f"{f}.bias") for f in full], dtype)
+    if one is None:
+        return False
+    parent = model.get_submodule(full[0].rpartition(".")[0])
+    for f, qt in zip(full, qts):
+        rest.pop(f"{f}.bias", None)
+        del pending[f"{f}.weight"]
+        parent._modules[f.rpartition(".")[2]] = HollowLinear(qt.shape, dtype, qt.kind)
+    parent.__dict__["joined_linears"] = (LAID_OUT, (one, None, [qt.shape[0] for qt in qts]))
+    return True
+
+
+def _lay_out(model: nn.Module, key: str, qt, rest: dict, dtype, tune: bool) -> None:
+    """One quantized weight's module: a QuantLinear (its bias taken from `rest`), a QuantEmbedding,
+    or, for any other module, the weight dequantized into `rest`."""
+    name = key.removesuffix(".weight")
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    old = parent._modules[child]
+    if isinstance(old, nn.Embedding):
+        parent._modules[child] = QuantEmbedding(qt, dtype)
+    elif type(old) is nn.Linear:
+        parent._modules[child] = QuantLinear(qt, rest.pop(f"{name}.bias", None), dtype, "scratch" if tune else _kernel(qt))
+    else:
+        rest[key] = dense_copy(qt, *qt.shape, dtype)
 
 
 def kernels(model: nn.Module) -> dict[str, int]:
