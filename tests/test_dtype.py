@@ -183,6 +183,53 @@ def test_generation_takes_the_dtype_its_decode_step_measures_faster(monkeypatch)
     assert decode_dtype.generation_precision(f32, config) is f32  # nothing measured where the policy says float32
 
 
+def test_a_file_whose_layers_bfloat16_keeps_quantized_takes_bfloat16_unless_float32_is_clearly_faster(monkeypatch):
+    """A quantized GGUF whose layers multiply in their blocks in bfloat16 (int4pack) would be held
+    dequantized in float32, several times the file: the margin turns, bfloat16 unless float32's
+    step is 1.1x the faster. Layers without such a kernel (Q8_0: the scratch) keep the plain rule."""
+    import torch
+
+    from runtime.engines.torch import decode_dtype
+    from runtime.engines.torch.models import quant_linear
+    from runtime.engines.torch.precision import Precision
+
+    config = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30}
+    bf16 = Precision(torch.bfloat16, False, "bfloat16: the width policy")
+    monkeypatch.delenv("SPILLPACK_QUANT_GEMM", raising=False)
+    monkeypatch.setattr(quant_linear, "choose_kernel", lambda kind, rows, cols, dtype: "int4pack")
+    for f32_layer, want in ((0.0029, "bfloat16"), (0.0025, "float32")):  # bfloat16's layer 0.0030
+        m = {"float32_layer_s": f32_layer, "float32_rest_s": 0.010, "bfloat16_layer_s": 0.0030, "bfloat16_rest_s": 0.010}
+        monkeypatch.setattr(decode_dtype, "measured", lambda c, m=m, **kw: m)
+        got = decode_dtype.generation_precision(bf16, config, layer_types={"Q4_1": 210})
+        assert got.name == want, got
+        assert "its layers stay in their blocks in bfloat16 (Q4_1 on int4pack in bfloat16)" in got.why, got
+        plain = decode_dtype.generation_precision(bf16, config, layer_types={"Q8_0": 210})
+        assert plain.name == "float32" and "its layers stay" not in plain.why, plain  # 1.1x is not reached either way
+    monkeypatch.setenv("SPILLPACK_QUANT_GEMM", "dense")  # dequantized at load whatever the dtype: the plain rule
+    assert "its layers stay" not in decode_dtype.generation_precision(bf16, config, layer_types={"Q4_1": 210}).why
+
+
+def test_a_quantized_gguf_run_on_a_native_bfloat16_cpu_keeps_its_layers_quantized_by_default(home, tmp_path):
+    """SmolLM2's Q4_1 GGUF, --dtype auto, through the CLI: the start event names the dtype rule for a
+    file whose layers stay quantized, and where bfloat16 is chosen the weights are kept in their
+    blocks (no dense copy: the plan's weights are about the file's, not float32's 0.5 GB)."""
+    from runtime.engines.torch.precision import cpu_bf16_native
+    from tests.support.gguf_files import real_model_path
+
+    if not cpu_bf16_native():
+        pytest.skip("this CPU has no native bfloat16: generation is float32 without measuring")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"custom_id": "a", "prompt": "The capital of France is"}) + "\n")
+    r = run_cli(["run", str(real_model_path()), str(rows), "--max-tokens", "2", "--state", str(tmp_path / "s")], env=AUTO)
+    assert r.returncode == 0, r.stderr
+    start = next(e for e in events_of(r.stdout) if e["event"] == "start")
+    if "on int4pack" not in start["dtype_why"]:
+        pytest.skip(f"int4pack is not the faster kernel for these layers here: {start['dtype_why']}")
+    assert "its layers stay in their blocks in bfloat16" in start["dtype_why"], start
+    if start["dtype"] == "bfloat16":
+        assert start["memory_plan"]["quantized"] == {"Q4_1": 210} and start["memory_plan"]["weights_gb"] < 0.2, start
+
+
 def test_a_run_on_a_native_bfloat16_cpu_measures_its_decode_step_once_and_keeps_it(home, tmp_path):
     from runtime.engines.torch.precision import cpu_bf16_native
     from tests.support.memory_shapes import make_shape

@@ -178,14 +178,15 @@ class Job:
         return base_dtype(asked, self.kept_dtype)
 
     def open_engine(self, engine=None, dtype: str | None = None, width: int | None = None, splits_rows: bool = False,
-                    shape: dict | None = None, quantize: str | None = None, max_mem_gb: float | None = None):
+                    shape: dict | None = None, quantize: str | None = None, max_mem_gb: float | None = None,
+                    layer_types: dict | None = None):
         """This process's engine (made here, or given: tune makes it first to plan its memory),
         with its device, software and base dtype in the history: a resume is bit-identical only
         where they match (`spillpack status` says which applied). `splits_rows`: a tune, whose
         torch-cpu engine splits a micro-batch's rows across its threads."""
         threads.for_model(width, splits_rows)  # a narrow model's ops run on one thread (runtime.base.threads)
         engine = engine or get_engine(self.engine_name, dtype, width=width, kept=self.kept_dtype, shape=shape, quantize=quantize,
-                                      max_mem_gb=max_mem_gb)
+                                      max_mem_gb=max_mem_gb, **({"layer_types": layer_types} if layer_types else {}))
         engine.fit_threads()  # made before the state was read (tune plans with it): the count a resume keeps
         if self.writer:  # rank 0 of a data-parallel group writes for all (its ranks share one device model)
             self.state.log("engine", **engine.describe())

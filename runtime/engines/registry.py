@@ -82,6 +82,7 @@ def get_engine(name: str, dtype: str | None = None, width: int | None = None, ke
     if name == "mlx":
         from runtime.engines.mlx.engine import MLXEngine
 
+        kw.pop("layer_types", None)  # the torch engine's: MLX dequantizes a GGUF at load
         return MLXEngine(asked, why)
     raise ValueError(name)
 

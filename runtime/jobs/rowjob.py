@@ -117,6 +117,16 @@ def run_rows(inv: Invocation, events, task: RowTask) -> Outcome:
         return _run(job, inv, events, task, rows, (tokenizer, model_dir, adapters, job_key))
 
 
+def layer_types(model_dir) -> dict | None:
+    """A quantized GGUF's types of its layers (the head aside): the engine's dtype may keep them
+    in their blocks (runtime.engines.torch.decode_dtype.choice). None for any other model."""
+    if not model_dir.is_gguf:
+        return None
+    from runtime.models.gguf.model import quantized_types
+
+    return quantized_types(model_dir.path, dense_head=True) or None
+
+
 def one_dtype(job: Job, inv, rows: int) -> None:
     """One output, one dtype: a --dtype (or SPILLPACK_DTYPE) other than the one the state's rows
     were made in is refused before anything runs, unless --force; `auto` keeps the state's own."""
@@ -146,7 +156,7 @@ def _generate(job: Job, inv, events, task, rows, model, label: str = "") -> tupl
     # The engine first, as a tune's: its dtype and what the process holds with torch imported
     # size the memory plan. Importing torch is never abandoned midway, a stop waits for it.
     engine = (job.open_engine(dtype=o.get("dtype"), width=model_dir.config.get("hidden_size"), shape=model_dir.config,
-                              quantize=o.get("quantize"), max_mem_gb=o.get("max_mem_gb"))
+                              quantize=o.get("quantize"), max_mem_gb=o.get("max_mem_gb"), layer_types=layer_types(model_dir))
               if generating else None)
     adapter, per_row = adapters_of.for_engine(adapters, work.todo) if generating else (None, False)
     plan = plan_rows(job.engine_name, engine, model_dir, work.todo, o["batch"], adapter) if generating else None

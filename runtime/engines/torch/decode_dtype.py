@@ -154,28 +154,49 @@ def step_seconds(m: dict, dtype: str, layers: int) -> float:
     return m[f"{dtype}_rest_s"] + layers * m[f"{dtype}_layer_s"]
 
 
-def choice(config: dict, max_mem_gb: float | None = None) -> tuple[str, str]:
-    """("float32" or "bfloat16", why), for generating with the model `config` describes."""
+def choice(config: dict, max_mem_gb: float | None = None, kept: str | None = None) -> tuple[str, str]:
+    """("float32" or "bfloat16", why), for generating with the model `config` describes. `kept`:
+    how a quantized file's layers stay in their blocks in bfloat16 (quant_linear.fast_kernel),
+    where float32 would hold a dense copy of them: then bfloat16 unless float32 is the faster by
+    MARGIN, the other way round."""
     m = measured(config, max_mem_gb=max_mem_gb)
     if isinstance(m, str):
         return "bfloat16", f"bfloat16, not measured: {m}; bfloat16 holds the weights in the least memory"
     layers = int(config.get("num_hidden_layers") or 1)
     f32, bf16 = step_seconds(m, "float32", layers), step_seconds(m, "bfloat16", layers)
+    measured_why = f"a decode step of this model's shapes measured {f32 * 1e3:.1f} ms in float32 and {bf16 * 1e3:.1f} ms in bfloat16 here"
+    if kept is not None:
+        chosen = "float32" if bf16 >= MARGIN * f32 else "bfloat16"
+        return chosen, (f"{chosen}: its layers stay in their blocks in bfloat16 ({kept}), where float32 would hold "
+                        f"them dequantized, several times the file; {measured_why} (float32 where bfloat16 takes {MARGIN}x as long)")
     chosen = "bfloat16" if f32 >= MARGIN * bf16 else "float32"
-    return chosen, (f"{chosen}: a decode step of this model's shapes measured {f32 * 1e3:.1f} ms in float32 and "
-                    f"{bf16 * 1e3:.1f} ms in bfloat16 here (bfloat16 where float32 takes {MARGIN}x as long)")
+    return chosen, f"{chosen}: {measured_why} (bfloat16 where float32 takes {MARGIN}x as long)"
 
 
-def generation_precision(policy, config: dict, max_mem_gb: float | None = None):
+def generation_precision(policy, config: dict, max_mem_gb: float | None = None, layer_types: dict | None = None):
     """The policy's precision (runtime.engines.torch.precision) for generating with the model
     `config` describes: where the policy took bfloat16 on a native-bfloat16 CPU, the faster of
-    the two on this model's decode step."""
+    the two on this model's decode step. `layer_types`: a quantized GGUF's types of its layers
+    (the head aside), whose blocks bfloat16 may keep (choice's `kept`)."""
     from runtime.engines.torch.precision import Precision, cpu_bf16_native
 
     if policy.base != torch.bfloat16:
         return policy  # no native bfloat16, or a model too narrow: float32 without measuring
-    chosen, why = choice(config, max_mem_gb)
+    chosen, why = choice(config, max_mem_gb, kept_in_bfloat16(config, layer_types))
     return Precision(getattr(torch, chosen), False, f"{why}; this CPU multiplies bfloat16 natively ({cpu_bf16_native()})")
+
+
+def kept_in_bfloat16(config: dict, layer_types: dict | None) -> str | None:
+    """How a quantized file's layers multiply in their blocks in bfloat16 at about the dense copy's
+    speed (quant_linear.fast_kernel), unless SPILLPACK_QUANT_GEMM dequantizes them; else None."""
+    if not layer_types:
+        return None
+    from runtime.engines.torch.models.quant_linear import fast_kernel, forced_kernel
+
+    if forced_kernel() == "dense":
+        return None
+    rows = config.get("intermediate_size") or config.get("moe_intermediate_size") or config["hidden_size"]
+    return fast_kernel(layer_types, rows, config["hidden_size"], torch.bfloat16)
 
 
 def cached_choices() -> dict[str, str]:

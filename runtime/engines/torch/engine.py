@@ -316,11 +316,12 @@ class TorchEngine(WeightPlacement):
     """`device` and `base_dtype` default to what the engine's name and the device call for;
     `width` is the model's hidden size (the CPU's dtype policy needs it), `why` says where a
     given `base_dtype` came from, `training` whether the engine is for a tune (the policy may differ),
-    `shape` the config of the model a row job generates with (its decode step may be measured)."""
+    `shape` the config of the model a row job generates with (its decode step may be measured),
+    `layer_types` a quantized GGUF's types of its layers (its dtype may keep them in their blocks)."""
 
     def __init__(self, name: str, device: str | torch.device | None = None, base_dtype: torch.dtype | str | None = None,
                  width: int | None = None, why: str | None = None, training: bool = False, shape: dict | None = None,
-                 quantize: str | None = None, max_mem_gb: float | None = None):
+                 quantize: str | None = None, max_mem_gb: float | None = None, layer_types: dict | None = None):
         self.name = name
         self.max_mem_gb = max_mem_gb  # --max-mem-gb: the memory the job may use, where it is less than the machine's
         base_dtype = getattr(torch, base_dtype) if isinstance(base_dtype, str) else base_dtype
@@ -334,7 +335,7 @@ class TorchEngine(WeightPlacement):
         else:
             self.precision = device_precision(self.device, width, training)
             if shape is not None and not training and self.device.type == "cpu":
-                self.precision = generation_precision(self.precision, shape, max_mem_gb)
+                self.precision = generation_precision(self.precision, shape, max_mem_gb, layer_types)
         self.base_dtype = self.precision.base
         self.memory = PeakMemory(self.device)
         self._quantized: dict[str, tuple[bool, str | None, bool]] = {}  # model path -> (kept quantized, why, dense head)
