@@ -186,7 +186,7 @@ class Job:
         torch-cpu engine splits a micro-batch's rows across its threads."""
         threads.for_model(width, splits_rows)  # a narrow model's ops run on one thread (runtime.base.threads)
         engine = engine or get_engine(self.engine_name, dtype, width=width, kept=self.kept_dtype, shape=shape, quantize=quantize,
-                                      max_mem_gb=max_mem_gb, **({"layer_types": layer_types} if layer_types else {}))
+                                      max_mem_gb=max_mem_gb, layer_types=layer_types)
         engine.fit_threads()  # made before the state was read (tune plans with it): the count a resume keeps
         if self.writer:  # rank 0 of a data-parallel group writes for all (its ranks share one device model)
             self.state.log("engine", **engine.describe())

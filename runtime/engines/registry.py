@@ -61,12 +61,13 @@ def dtype_fields(engine) -> dict:
 
 def get_engine(name: str, dtype: str | None = None, width: int | None = None, kept: str | None = None,
                training: bool = False, shape: dict | None = None, quantize: str | None = None,
-               max_mem_gb: float | None = None, **kw):
+               max_mem_gb: float | None = None, layer_types: dict | None = None, **kw):
     """`dtype`: --dtype, the frozen base's ("auto" or None: base_dtype above); `width`: the
     model's hidden size; `kept`: the dtype this job ran on this engine before; `training`: the
     engine is a tune's (a CPU's policy may differ); `shape`: the config of the model a row job
     generates with; `quantize`: --quantize (runtime.models.quantize, torch-cpu only); `max_mem_gb`:
-    --max-mem-gb, the memory the torch engine decides its weights' placement for. kw: the torch
+    --max-mem-gb, the memory the torch engine decides its weights' placement for; `layer_types`: a
+    quantized GGUF's types of its layers (the torch engine's dtype may keep them). kw: the torch
     engine's device and base_dtype (tests and benchmarks run CUDA's arithmetic on a CPU)."""
     from runtime.models.quantize import block_type
 
@@ -78,11 +79,11 @@ def get_engine(name: str, dtype: str | None = None, width: int | None = None, ke
 
         if asked is not None:
             kw["base_dtype"] = asked  # by name: torch is the engine's to import
-        return TorchEngine(name, width=width, why=why, training=training, shape=shape, max_mem_gb=max_mem_gb, **kw)
+        return TorchEngine(name, width=width, why=why, training=training, shape=shape, max_mem_gb=max_mem_gb,
+                           layer_types=layer_types, **kw)
     if name == "mlx":
         from runtime.engines.mlx.engine import MLXEngine
 
-        kw.pop("layer_types", None)  # the torch engine's: MLX dequantizes a GGUF at load
         return MLXEngine(asked, why)
     raise ValueError(name)
 
